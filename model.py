@@ -1,0 +1,413 @@
+"""
+One GPT, five ways to attend: MHA, GQA, MQA, MLA and LRKV (Low-Rank Key-Value attention).
+
+The backbone is the paper's 128M model (a nanochat-style GPT): RoPE, parameter-free RMSNorm
+before every sublayer and on queries and keys, a ReLU^2 MLP, untied embeddings, no biases.
+Only the key/value side of attention changes between variants; every variant keeps H
+full-rank query heads W_q and the output projection W_o.
+
+Training runs one F.scaled_dot_product_attention call per layer over full per-head keys and
+values. Decoding keeps a KVCache per layer holding exactly what each variant must remember
+per token (Attention.cache_shapes), and rebuilds keys from it where RoPE and the QK norm
+leave no exact shortcut.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ATTENTION_VARIANTS = ("mha", "mqa", "gqa", "mla", "lrkv")
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 2048
+    vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 128 for fast matmuls
+    n_layer: int = 12
+    n_head: int = 6
+    n_embd: int = 768
+    head_dim: int = 128
+    attn: str = "mha"
+    n_kv_head: int = 3  # gqa: key/value heads G, each shared by n_head // G query heads
+    kv_lora_rank: int = 128  # mla: width d_c of the cached latent
+    rope_head_dim: int = 64  # mla: width d_R of the decoupled RoPE key shared by all heads
+    lrkv_rank: int = 46  # lrkv: rank r of each head's residual U_h B_h^T
+    rope_theta: float = 10000.0
+
+    def __post_init__(self):
+        def bad(field, allowed):
+            raise ValueError(f"GPTConfig.{field} = {getattr(self, field)!r}: must be {allowed}")
+
+        if self.attn not in ATTENTION_VARIANTS:
+            bad("attn", "one of " + ", ".join(ATTENTION_VARIANTS))
+        for field in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "head_dim"):
+            if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
+                bad(field, "a positive integer")
+        if self.head_dim % 2:
+            bad("head_dim", "even (RoPE rotates pairs of dimensions)")
+        if self.n_embd != self.n_head * self.head_dim:
+            bad("n_embd", f"n_head * head_dim = {self.n_head} * {self.head_dim} = {self.n_head * self.head_dim}")
+        if self.attn == "gqa" and not (1 <= self.n_kv_head <= self.n_head and self.n_head % self.n_kv_head == 0):
+            bad("n_kv_head", f"a divisor of n_head = {self.n_head}")
+        if self.attn == "mla":
+            if self.kv_lora_rank < 1:
+                bad("kv_lora_rank", "a positive integer")
+            if not (2 <= self.rope_head_dim < self.head_dim and self.rope_head_dim % 2 == 0):
+                bad("rope_head_dim", f"even, at least 2 and below head_dim = {self.head_dim}")
+        if self.attn == "lrkv" and not 1 <= self.lrkv_rank <= self.head_dim:
+            bad("lrkv_rank", f"between 1 and head_dim = {self.head_dim}")
+
+
+def norm(x):
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def rope_tables(dim, max_len, theta):
+    inv_freq = theta ** (-torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, rope):
+    """Rotate the last 2 * cos.size(-1) dims of x (B, T, heads, D), whose T tokens are the
+    last T of the positions the tables cover (all of them in training)."""
+    cos, sin = (t[-x.size(1):, None, :].to(x.dtype) for t in rope)
+    x_pass, x1, x2 = x.split((x.size(-1) - 2 * cos.size(-1), cos.size(-1), cos.size(-1)), dim=-1)
+    return torch.cat((x_pass, x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
+
+
+class KVCache(nn.Module):
+    """One layer's decoding memory: a (B, max_len, *shape) buffer per cached name, filled up to pos."""
+
+    def __init__(self, batch_size, max_len, shapes, dtype, device=None):
+        super().__init__()
+        self.pos, self.max_len = 0, max_len
+        for name, shape in shapes.items():
+            buf = torch.zeros(batch_size, max_len, *shape, dtype=dtype, device=device)
+            self.register_buffer(name, buf, persistent=False)
+
+    def update(self, **new):
+        """Append the new tokens' entries; return every name's entries so far, in the caller's dtype."""
+        end = self.pos + next(iter(new.values())).size(1)
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} tokens, {end} were asked for")
+        out = []
+        for name, x in new.items():
+            buf = getattr(self, name)
+            buf[:, self.pos:end] = x
+            out.append(buf[:, :end].to(x.dtype))
+        self.pos = end
+        return out
+
+
+# SDPA backends on a GPU. Flash attention needs fp16/bf16, the same head dim (<= 256) for q, k
+# and v, and no explicit mask (is_causal is fine); it takes enable_gqa, so MQA/GQA never copy
+# K/V per head. Every variant below trains with q, k, v of width head_dim, so all five are
+# flash-eligible: MLA splits the head into head_dim - d_R "nope" dims plus d_R RoPE dims
+# (rather than DeepSeek's 128 + 64 = 192 wide q/k) precisely to keep q/k as wide as v.
+# Decoding a chunk after a prefix needs an explicit mask (memory-efficient or math backend),
+# and the absorbed value forms (v wider than q/k) are likewise not flash-eligible.
+class Attention(nn.Module):
+    """What all variants share: H full-rank query heads W_q, the output W_o, and attention itself.
+    Subclasses define the key/value side: forward, cache_shapes and head_qk_weights."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.n_head, self.head_dim = config.n_head, config.head_dim
+        self.rope_dim = config.head_dim  # dims of each q/k head that RoPE rotates
+        self.W_q = nn.Linear(config.n_embd, config.n_head * config.head_dim, bias=False)
+        self.W_o = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=False)
+
+    def queries(self, x, rope):
+        B, T, _ = x.shape
+        return apply_rope(norm(self.W_q(x).view(B, T, self.n_head, self.head_dim)), rope)
+
+    def attend(self, q, k, v):
+        """softmax(q k^T / sqrt(d)) v for q (B, T, H, d) against k, v (B, S, H or G, d): the T
+        queries are the last T of the S positions, so T == S is plain causal attention."""
+        T, S = q.size(1), k.size(1)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        gqa = k.size(1) != q.size(1)
+        if T == S or T == 1:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa)
+        else:
+            mask = torch.arange(S, device=q.device) <= torch.arange(S - T, S, device=q.device)[:, None]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return y.transpose(1, 2)
+
+    def project_out(self, y):
+        return self.W_o(y.flatten(2))
+
+    def query_weights(self):
+        """(H, d, d_h): head h's query is x @ Wq[h] (before norm and RoPE)."""
+        return self.W_q.weight.view(self.n_head, self.head_dim, -1).transpose(1, 2)
+
+
+class GroupedQueryAttention(Attention):
+    """G key/value heads, each shared by H/G query heads: MHA is G = H, MQA is G = 1.
+    Cache per token: 2 G d_h (keys stored normalised and rotated, ready to use)."""
+
+    def __init__(self, config, n_kv_head):
+        super().__init__(config)
+        self.n_kv_head = n_kv_head
+        self.W_k = nn.Linear(config.n_embd, n_kv_head * config.head_dim, bias=False)
+        self.W_v = nn.Linear(config.n_embd, n_kv_head * config.head_dim, bias=False)
+
+    def cache_shapes(self):
+        return {"k": (self.n_kv_head, self.head_dim), "v": (self.n_kv_head, self.head_dim)}
+
+    def forward(self, x, rope, cache=None):
+        B, T, _ = x.shape
+        q = self.queries(x, rope)
+        k = apply_rope(norm(self.W_k(x).view(B, T, self.n_kv_head, self.head_dim)), rope)
+        v = self.W_v(x).view(B, T, self.n_kv_head, self.head_dim)
+        if cache is not None:
+            k, v = cache.update(k=k, v=v)
+        return self.project_out(self.attend(q, k, v))
+
+    def head_qk_weights(self):
+        Wk = self.W_k.weight.view(self.n_kv_head, self.head_dim, -1).transpose(1, 2)
+        return self.query_weights(), Wk.repeat_interleave(self.n_head // self.n_kv_head, dim=0)
+
+
+class LowRankKVAttention(Attention):
+    """LRKV: W_h^K = W_shared^K + U_h^K (B_h^K)^T and W_h^V = W_shared^V + U_h^V (B_h^V)^T.
+    Cache per token: K_shared, V_shared (d_h each) and every head's R_h^K = x U_h^K and
+    R_h^V = x U_h^V (r each): 2 d_h + 2 H r. The B_h are weights, not cache."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        d, H, d_h, r = config.n_embd, config.n_head, config.head_dim, config.lrkv_rank
+        self.rank = r
+        self.W_shared_k = nn.Linear(d, d_h, bias=False)
+        self.W_shared_v = nn.Linear(d, d_h, bias=False)
+        self.U_k = nn.Linear(d, H * r, bias=False)
+        self.U_v = nn.Linear(d, H * r, bias=False)
+        # B_h stacked as (H d_h, r), 2-D like every other matrix so that Muon can train it
+        self.B_k = nn.Parameter(torch.empty(H * d_h, r))
+        self.B_v = nn.Parameter(torch.empty(H * d_h, r))
+
+    def cache_shapes(self):
+        return {
+            "k_shared": (self.head_dim,), "v_shared": (self.head_dim,),
+            "r_k": (self.n_head, self.rank), "r_v": (self.n_head, self.rank),
+        }
+
+    def residual(self, R, B):
+        """Every head's R_h B_h^T: (B, S, H, r) -> (B, S, H, d_h)."""
+        return torch.einsum("bshr,hdr->bshd", R, B.view(self.n_head, self.head_dim, self.rank))
+
+    def forward(self, x, rope, cache=None):
+        B, T, _ = x.shape
+        q = self.queries(x, rope)
+        k_shared, v_shared = self.W_shared_k(x), self.W_shared_v(x)
+        r_k = self.U_k(x).view(B, T, self.n_head, self.rank)
+        r_v = self.U_v(x).view(B, T, self.n_head, self.rank)
+        if cache is not None:
+            k_shared, v_shared, r_k, r_v = cache.update(k_shared=k_shared, v_shared=v_shared, r_k=r_k, r_v=r_v)
+        # Keys are rebuilt in full, also when decoding: the QK norm and RoPE act on the whole
+        # K_h, so B_h^K cannot be folded into the query (the paper's eq. 6 holds without them).
+        k = apply_rope(norm(k_shared.unsqueeze(2) + self.residual(r_k, self.B_k)), rope)
+        if cache is None:
+            # training: materialise V_h so that q, k, v share one head dim and flash applies
+            v = v_shared.unsqueeze(2) + self.residual(r_v, self.B_v)
+            return self.project_out(self.attend(q, k, v))
+        # decoding, eq. 7: a_h V_h = a_h V_shared + (a_h R_h^V) (B_h^V)^T is exact, and costs
+        # one attention over [V_shared | R_h^V] instead of rebuilding V_h at every position
+        S = v_shared.size(1)
+        v = torch.cat((v_shared.unsqueeze(2).expand(B, S, self.n_head, self.head_dim), r_v), dim=-1)
+        y = self.attend(q, k, v)
+        y_shared, y_res = y.split((self.head_dim, self.rank), dim=-1)
+        return self.project_out(y_shared + self.residual(y_res, self.B_v))
+
+    def head_qk_weights(self):
+        U = self.U_k.weight.view(self.n_head, self.rank, -1)
+        B = self.B_k.view(self.n_head, self.head_dim, self.rank)
+        Wk = self.W_shared_k.weight.t() + torch.einsum("hrc,hdr->hcd", U, B)
+        return self.query_weights(), Wk
+
+
+class MultiHeadLatentAttention(Attention):
+    """MLA as DeepSeek-V2: keys and values come up from a normalised latent c = norm(x W_down)
+    of width d_c, per head, through W_up; one decoupled RoPE key k_R = x W_kr of width d_R,
+    shared by all heads, carries position. Each q/k head is [d_h - d_R nope dims | d_R RoPE
+    dims]. Cache per token: d_c + d_R."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        d, H, d_h = config.n_embd, config.n_head, config.head_dim
+        self.kv_lora_rank, self.rope_head_dim = config.kv_lora_rank, config.rope_head_dim
+        self.nope_dim = d_h - config.rope_head_dim
+        self.rope_dim = config.rope_head_dim
+        self.W_down = nn.Linear(d, self.kv_lora_rank, bias=False)
+        self.W_up_k = nn.Linear(self.kv_lora_rank, H * self.nope_dim, bias=False)
+        self.W_up_v = nn.Linear(self.kv_lora_rank, H * d_h, bias=False)
+        self.W_kr = nn.Linear(d, self.rope_head_dim, bias=False)
+
+    def cache_shapes(self):
+        return {"c": (self.kv_lora_rank,), "k_rope": (1, self.rope_head_dim)}
+
+    def forward(self, x, rope, cache=None):
+        B, T, _ = x.shape
+        q = self.queries(x, rope)
+        c = norm(self.W_down(x))
+        k_rope = apply_rope(self.W_kr(x).unsqueeze(2), rope)
+        if cache is not None:
+            c, k_rope = cache.update(c=c, k_rope=k_rope)
+        S = c.size(1)
+        k_nope = self.W_up_k(c).view(B, S, self.n_head, self.nope_dim)
+        # Rotating part of a vector leaves its RMS unchanged, so norm-after-rotate equals the
+        # queries' rotate-after-norm. The norm couples k_R with each head's k_nope, which is
+        # why W_up^K cannot be absorbed into the query and keys are rebuilt when decoding.
+        k = norm(torch.cat((k_nope, k_rope.expand(B, S, self.n_head, self.rope_head_dim)), dim=-1))
+        if cache is None:
+            v = self.W_up_v(c).view(B, S, self.n_head, self.head_dim)
+            return self.project_out(self.attend(q, k, v))
+        # decoding: a_h V_h = (a_h c) W_up,h^V exactly, so attend over the latent itself
+        y = self.attend(q, k, c.unsqueeze(2).expand(B, S, self.n_head, self.kv_lora_rank))
+        W_up_v = self.W_up_v.weight.view(self.n_head, self.head_dim, self.kv_lora_rank)
+        return self.project_out(torch.einsum("bthc,hdc->bthd", y, W_up_v))
+
+    def head_qk_weights(self):
+        W_up_k = self.W_up_k.weight.view(self.n_head, self.nope_dim, self.kv_lora_rank)
+        Wk_nope = torch.einsum("cx,hnc->hxn", self.W_down.weight, W_up_k)
+        Wk_rope = self.W_kr.weight.t().expand(self.n_head, -1, -1)
+        return self.query_weights(), torch.cat((Wk_nope, Wk_rope), dim=-1)
+
+
+ATTENTION = {
+    "mha": lambda config: GroupedQueryAttention(config, n_kv_head=config.n_head),
+    "gqa": lambda config: GroupedQueryAttention(config, n_kv_head=config.n_kv_head),
+    "mqa": lambda config: GroupedQueryAttention(config, n_kv_head=1),
+    "mla": MultiHeadLatentAttention,
+    "lrkv": LowRankKVAttention,
+}
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.W_in = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
+        self.W_out = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
+
+    def forward(self, x):
+        return self.W_out(F.relu(self.W_in(x)).square())
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.attn = ATTENTION[config.attn](config)
+        self.mlp = MLP(config)
+
+    def forward(self, x, rope, cache=None):
+        x = x + self.attn(norm(x), rope, cache)
+        return x + self.mlp(norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        cos, sin = rope_tables(self.blocks[0].attn.rope_dim, config.block_size, config.rope_theta)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        """nanochat's init: unit-variance embeddings, a near-zero unembedding, inputs of every
+        matrix at the variance of a 1/sqrt(fan_in) uniform, and zero output projections so that
+        each block starts as the identity."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                bound = math.sqrt(3 / module.in_features)
+                nn.init.uniform_(module.weight, -bound, bound)
+        nn.init.normal_(self.wte.weight, std=1.0)
+        nn.init.normal_(self.lm_head.weight, std=0.001)
+        for block in self.blocks:
+            nn.init.zeros_(block.attn.W_o.weight)
+            nn.init.zeros_(block.mlp.W_out.weight)
+            if isinstance(block.attn, LowRankKVAttention):
+                # W_shared and U_h have entries of variance 1/d, so B_h entries of std
+                # 0.1/sqrt(r) give ||U_h B_h^T||_F ~ sqrt(d d_h r) / sqrt(d) * 0.1/sqrt(r)
+                # = 0.1 sqrt(d_h) ~ 0.1 ||W_shared||_F, the paper's starting residual.
+                for B in (block.attn.B_k, block.attn.B_v):
+                    nn.init.normal_(B, std=0.1 / math.sqrt(block.attn.rank))
+
+    def forward(self, idx, targets=None, caches=None):
+        """Logits (B, T, vocab) in fp32, and the mean cross-entropy if targets are given.
+        With caches (one KVCache per layer, see new_caches), idx continues the cached prefix."""
+        B, T = idx.shape
+        end = (caches[0].pos if caches else 0) + T
+        if end > self.config.block_size:
+            raise ValueError(f"sequence of {end} tokens is longer than block_size = {self.config.block_size}")
+        rope = (self.cos[:end], self.sin[:end])
+        x = norm(self.wte(idx))
+        for block, cache in zip(self.blocks, caches or [None] * len(self.blocks)):
+            x = block(x, rope, cache)
+        logits = self.lm_head(norm(x)).float()
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+    def new_caches(self, batch_size, max_len, dtype=torch.bfloat16, device=None):
+        device = self.wte.weight.device if device is None else device
+        return [KVCache(batch_size, max_len, block.attn.cache_shapes(), dtype, device) for block in self.blocks]
+
+    def kv_cache_bytes(self, batch_size, seq_len, dtype=torch.bfloat16):
+        """Bytes the decoding caches allocate, counted off the same caches built on the meta device."""
+        caches = self.new_caches(batch_size, seq_len, dtype, device="meta")
+        return sum(buf.numel() * buf.element_size() for cache in caches for buf in cache.buffers())
+
+    def kv_cache_elements_per_token(self):
+        """Cached elements per token per layer: 2 H d_h for MHA ... d_c + d_R for MLA."""
+        return sum(math.prod(shape) for shape in self.blocks[0].attn.cache_shapes().values())
+
+    def get_num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len=None):
+        """Training FLOPs per token, forward and backward: 6 per weight of every matmul (each
+        variant's own projections; the embedding is a lookup, not a matmul) plus 6 per
+        multiply-add of q k^T and a v over seq_len keys (no discount for the causal mask,
+        the usual convention for MFU)."""
+        T = seq_len or self.config.block_size
+        matmul_params = self.get_num_params() - self.wte.weight.numel()
+        attention = 6 * self.config.n_layer * self.config.n_head * 2 * self.config.head_dim * T
+        return 6 * matmul_params + attention
+
+    @torch.no_grad()
+    def head_qk_weights(self):
+        """Per layer, (Wq, Wk), each (H, d, d_qk): head h's query is x @ Wq[h] and its key
+        x @ Wk[h], before the QK norm and RoPE (MLA: with its latent norm taken as identity)."""
+        return [tuple(w.detach().clone() for w in block.attn.head_qk_weights()) for block in self.blocks]
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True):
+        """Continue idx (B, T) by max_new_tokens sampled tokens; temperature 0 is greedy. With the
+        cache the prompt is read once (prefill) and then one token is fed per step."""
+        if idx.size(1) + max_new_tokens > self.config.block_size:
+            raise ValueError(f"prompt + max_new_tokens = {idx.size(1) + max_new_tokens} exceeds block_size = {self.config.block_size}")
+        device = idx.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else self.lm_head.weight.dtype
+        caches = self.new_caches(idx.size(0), idx.size(1) + max_new_tokens, dtype) if use_cache else None
+        for _ in range(max_new_tokens):
+            fresh = idx if caches is None or caches[0].pos == 0 else idx[:, -1:]
+            logits = self(fresh, caches=caches)[0][:, -1]
+            if temperature == 0:
+                next_token = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                next_token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+            idx = torch.cat((idx, next_token), dim=1)
+        return idx
