@@ -1,0 +1,271 @@
+"""Tests of model.py against the paper's math: each variant against an independent naive
+attention, the exact equivalences between variants, cached decoding against the full
+forward pass, and the KV-cache sizes of section 2."""
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import GPT, ATTENTION_VARIANTS, GPTConfig, LowRankKVAttention
+
+TINY = GPTConfig(
+    block_size=32, vocab_size=61, n_layer=2, n_head=4, n_embd=64, head_dim=16,
+    n_kv_head=2, kv_lora_rank=24, rope_head_dim=8, lrkv_rank=4,
+)
+MIB = 2**20
+
+
+def tiny_model(attn, seed=0, **overrides):
+    """A tiny GPT whose every weight is random: the real init zeroes W_o, which would hide
+    the attention from any comparison of outputs."""
+    torch.manual_seed(seed)
+    model = GPT(replace(TINY, attn=attn, **overrides))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5 / math.sqrt(p.size(-1)))
+    return model.eval()
+
+
+def naive_rope(x, positions, rot_dim, theta):
+    """RoPE through complex numbers: dim i of the rotated block pairs with i + rot_dim/2."""
+    half = rot_dim // 2
+    x_pass, x_rot = x[..., :-rot_dim], x[..., -rot_dim:]
+    freqs = theta ** (-torch.arange(half, dtype=torch.float64) * 2 / rot_dim)
+    turn = torch.polar(torch.ones(len(positions), half, dtype=torch.float64), positions[:, None] * freqs)
+    z = torch.complex(x_rot[..., :half], x_rot[..., half:]) * turn.conj()
+    return torch.cat((x_pass, z.real, z.imag), dim=-1)
+
+
+def naive_attention(attn, x, config):
+    """One head at a time, softmax written out, keys and values from the paper's formulas."""
+    x = x.double()
+    H, d_h, T = config.n_head, config.head_dim, x.size(1)
+    rms = lambda t: t / t.pow(2).mean(-1, keepdim=True).add(torch.finfo(t.dtype).eps).sqrt()
+    lin = lambda t, layer: t @ layer.weight.double().t()
+    positions = torch.arange(T, dtype=torch.float64)
+    rot_dim = config.rope_head_dim if config.attn == "mla" else d_h
+    Wq = attn.W_q.weight.double().view(H, d_h, -1)
+    if config.attn in ("mha", "gqa", "mqa"):
+        G = {"mha": H, "gqa": config.n_kv_head, "mqa": 1}[config.attn]
+        keys = [lin(x, attn.W_k).view(1, T, G, d_h)[0, :, h * G // H] for h in range(H)]
+        values = [lin(x, attn.W_v).view(1, T, G, d_h)[0, :, h * G // H] for h in range(H)]
+    elif config.attn == "lrkv":
+        r = config.lrkv_rank
+        U_k, U_v = (U.weight.double().view(H, r, -1) for U in (attn.U_k, attn.U_v))
+        B_k, B_v = (B.double().view(H, d_h, r) for B in (attn.B_k, attn.B_v))
+        W_k = [attn.W_shared_k.weight.double() + B_k[h] @ U_k[h] for h in range(H)]
+        W_v = [attn.W_shared_v.weight.double() + B_v[h] @ U_v[h] for h in range(H)]
+        keys = [x[0] @ W_k[h].t() for h in range(H)]
+        values = [x[0] @ W_v[h].t() for h in range(H)]
+    else:
+        nope = d_h - config.rope_head_dim
+        c = rms(lin(x, attn.W_down))[0]
+        k_nope = lin(c, attn.W_up_k).view(T, H, nope)
+        v_all = lin(c, attn.W_up_v).view(T, H, d_h)
+        k_rope = lin(x[0], attn.W_kr)
+        keys = [torch.cat((k_nope[:, h], k_rope), -1) for h in range(H)]
+        values = [v_all[:, h] for h in range(H)]
+    heads = []
+    for h in range(H):
+        q = naive_rope(rms(x[0] @ Wq[h].t()), positions, rot_dim, config.rope_theta)
+        k = naive_rope(rms(keys[h]), positions, rot_dim, config.rope_theta)
+        scores = q @ k.t() / math.sqrt(d_h)
+        scores = scores.masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))
+        heads.append(torch.softmax(scores, -1) @ values[h])
+    return torch.cat(heads, -1) @ attn.W_o.weight.double().t()
+
+
+@pytest.mark.parametrize("attn", ATTENTION_VARIANTS)
+def test_attention_matches_naive_reference(attn):
+    model = tiny_model(attn)
+    layer = model.blocks[0].attn
+    x = torch.randn(1, 12, TINY.n_embd)
+    rope = (model.cos[:12], model.sin[:12])
+    with torch.no_grad():
+        fast = layer(x, rope)
+    torch.testing.assert_close(fast[0].double(), naive_attention(layer, x, model.config), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("attn", ATTENTION_VARIANTS)
+def test_forward_shapes_and_finite_loss(attn):
+    model = GPT(replace(TINY, attn=attn))
+    idx = torch.randint(0, TINY.vocab_size, (3, 10))
+    logits, loss = model(idx, idx)
+    assert logits.shape == (3, 10, TINY.vocab_size) and logits.dtype == torch.float32
+    assert torch.isfinite(loss)
+    # the init makes every block the identity and the unembedding tiny: loss ~ ln(vocab)
+    assert abs(loss.item() - math.log(TINY.vocab_size)) < 0.05
+    assert model(idx)[1] is None
+
+
+@pytest.mark.parametrize("attn", ATTENTION_VARIANTS)
+def test_tiny_model_overfits_one_batch(attn):
+    torch.manual_seed(0)
+    model = GPT(replace(TINY, attn=attn))
+    x = torch.randint(0, TINY.vocab_size, (4, 16))
+    y = torch.roll(x, -1, dims=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    for _ in range(60):
+        loss = model(x, y)[1]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.1, f"{attn} only reached loss {loss.item():.3f}"
+
+
+def test_gqa_with_all_kv_heads_is_mha():
+    mha = tiny_model("mha")
+    gqa = GPT(replace(TINY, attn="gqa", n_kv_head=TINY.n_head)).eval()
+    gqa.load_state_dict(mha.state_dict())
+    idx = torch.randint(0, TINY.vocab_size, (2, 20))
+    with torch.no_grad():
+        assert torch.equal(gqa(idx)[0], mha(idx)[0])
+
+
+def test_lrkv_with_zero_residual_is_mqa():
+    lrkv = tiny_model("lrkv")
+    mqa = tiny_model("mqa", seed=1)
+    with torch.no_grad():
+        for block_l, block_m in zip(lrkv.blocks, mqa.blocks):
+            block_l.attn.U_k.weight.zero_()
+            block_l.attn.U_v.weight.zero_()
+            block_m.attn.W_k.weight.copy_(block_l.attn.W_shared_k.weight)
+            block_m.attn.W_v.weight.copy_(block_l.attn.W_shared_v.weight)
+        shared = {k: v for k, v in lrkv.state_dict().items() if k in mqa.state_dict()}
+        mqa.load_state_dict(shared, strict=False)
+    idx = torch.randint(0, TINY.vocab_size, (2, 20))
+    with torch.no_grad():
+        assert torch.equal(lrkv(idx)[0], mqa(idx)[0])
+
+
+def test_lrkv_init_residual_is_a_tenth_of_the_shared_projection():
+    torch.manual_seed(0)
+    attn = GPT(GPTConfig(attn="lrkv", n_layer=1)).blocks[0].attn
+    H, d_h, r = attn.n_head, attn.head_dim, attn.rank
+    for W_shared, U, B in ((attn.W_shared_k, attn.U_k, attn.B_k), (attn.W_shared_v, attn.U_v, attn.B_v)):
+        U, B = U.weight.view(H, r, -1), B.view(H, d_h, r)
+        for h in range(H):
+            ratio = (B[h] @ U[h]).norm() / W_shared.weight.norm()
+            assert 0.08 < ratio < 0.12
+
+
+@pytest.mark.parametrize("attn", ATTENTION_VARIANTS)
+def test_cached_decoding_equals_full_forward(attn):
+    model = tiny_model(attn)
+    idx = torch.randint(0, TINY.vocab_size, (2, 24))
+    with torch.no_grad():
+        full = model(idx)[0]
+        caches = model.new_caches(2, 24, dtype=torch.float32)
+        # a multi-token prompt, a chunk that attends to a cached prefix, then token by token
+        pieces = [model(idx[:, :9], caches=caches)[0], model(idx[:, 9:13], caches=caches)[0]]
+        pieces += [model(idx[:, t:t + 1], caches=caches)[0] for t in range(13, 24)]
+    assert (torch.cat(pieces, dim=1) - full).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("attn", ATTENTION_VARIANTS)
+def test_greedy_generation_is_the_same_with_and_without_cache(attn):
+    model = tiny_model(attn)
+    prompt = torch.randint(0, TINY.vocab_size, (2, 5))
+    cached = model.generate(prompt, 12, temperature=0)
+    assert cached.shape == (2, 17) and torch.equal(cached[:, :5], prompt)
+    assert torch.equal(cached, model.generate(prompt, 12, temperature=0, use_cache=False))
+    sampled = model.generate(prompt, 12, temperature=0.8, top_k=5)
+    assert sampled.shape == (2, 17) and sampled.max() < TINY.vocab_size
+
+
+def test_generation_past_block_size_raises():
+    model = tiny_model("mha")
+    with pytest.raises(ValueError, match="block_size"):
+        model.generate(torch.zeros(1, 30, dtype=torch.long), 3)
+
+
+PAPER_CACHE_MIB = {"mha": 72, "gqa": 36, "mqa": 12, "lrkv": 37.875, "mla": 9}
+
+
+@pytest.mark.parametrize("attn", ATTENTION_VARIANTS)
+def test_kv_cache_bytes_of_the_128m_model(attn):
+    with torch.device("meta"):
+        model = GPT(GPTConfig(attn=attn))
+    assert model.kv_cache_bytes(1, 2048, torch.bfloat16) == PAPER_CACHE_MIB[attn] * MIB
+    H, d_h, c = model.config.n_head, model.config.head_dim, model.config
+    per_token = {"mha": 2 * H * d_h, "gqa": 2 * c.n_kv_head * d_h, "mqa": 2 * d_h,
+                 "mla": c.kv_lora_rank + c.rope_head_dim, "lrkv": 2 * d_h + 2 * H * c.lrkv_rank}
+    assert model.kv_cache_elements_per_token() == per_token[attn]
+    if attn == "lrkv":  # the paper's cache fraction 1/H + r/d_h = 52.6%
+        assert model.kv_cache_elements_per_token() / (2 * H * d_h) == pytest.approx(1 / H + c.lrkv_rank / d_h)
+
+
+@pytest.mark.parametrize("attn", ATTENTION_VARIANTS)
+def test_generation_allocates_exactly_the_predicted_cache(attn, monkeypatch):
+    model = tiny_model(attn)
+    allocated = []
+    new_caches = model.new_caches
+    monkeypatch.setattr(model, "new_caches", lambda *a, **k: allocated.append(new_caches(*a, **k)) or allocated[-1])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model.generate(torch.zeros(3, 4, dtype=torch.long), 6)
+    buffers = [b for cache in allocated[0] for b in cache.buffers()]
+    assert all(b.dtype == torch.bfloat16 and b.shape[:2] == (3, 10) for b in buffers)
+    assert sum(b.numel() * b.element_size() for b in buffers) == model.kv_cache_bytes(3, 10, torch.bfloat16)
+    assert model.kv_cache_bytes(3, 10, torch.bfloat16) == 2 * 3 * 10 * TINY.n_layer * model.kv_cache_elements_per_token()
+
+
+def test_parameter_counts_follow_the_paper():
+    """K/V-side parameters per layer: MHA 2 H d d_h, LRKV 2 d d_h + 2 H r (d + d_h)."""
+    counts = {}
+    with torch.device("meta"):
+        for attn in ("mha", "lrkv"):
+            counts[attn] = GPT(GPTConfig(attn=attn)).get_num_params()
+    c = GPTConfig()
+    d, H, d_h, r = c.n_embd, c.n_head, c.head_dim, c.lrkv_rank
+    assert counts["mha"] - counts["lrkv"] == c.n_layer * (2 * H * d * d_h - (2 * d * d_h + 2 * H * r * (d + d_h)))
+
+
+def test_flops_per_token_counts_matmuls_and_attention():
+    model = tiny_model("mha")
+    c = TINY
+    per_layer = 4 * c.n_embd * c.n_embd + 8 * c.n_embd * c.n_embd  # q, k, v, o and the 4x MLP
+    expected = 6 * (c.n_layer * per_layer + c.n_embd * c.vocab_size) + 12 * c.n_layer * c.n_head * c.head_dim * 32
+    assert model.flops_per_token(32) == expected
+
+
+@pytest.mark.parametrize("attn", ATTENTION_VARIANTS)
+def test_head_qk_weights_match_each_variants_projections(attn):
+    model = tiny_model(attn)
+    layer, c = model.blocks[1].attn, model.config
+    x = torch.randn(5, c.n_embd)
+    Wq, Wk = model.head_qk_weights()[1]
+    assert Wq.shape == Wk.shape == (c.n_head, c.n_embd, c.head_dim)
+    H, d_h = c.n_head, c.head_dim
+    q = layer.W_q(x).view(5, H, d_h)
+    if attn in ("mha", "gqa", "mqa"):
+        k = layer.W_k(x).view(5, layer.n_kv_head, d_h).repeat_interleave(H // layer.n_kv_head, dim=1)
+    elif attn == "lrkv":
+        k = layer.W_shared_k(x)[:, None] + layer.residual(layer.U_k(x).view(1, 5, H, c.lrkv_rank), layer.B_k)[0]
+    else:  # the latent norm taken as identity
+        k_nope = layer.W_up_k(layer.W_down(x)).view(5, H, layer.nope_dim)
+        k = torch.cat((k_nope, layer.W_kr(x)[:, None].expand(5, H, c.rope_head_dim)), dim=-1)
+    for h in range(H):
+        torch.testing.assert_close(x @ Wq[h], q[:, h], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(x @ Wk[h], k[:, h], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (dict(attn="mqa2"), "attn"),
+    (dict(attn="gqa", n_kv_head=4), "n_kv_head"),
+    (dict(attn="gqa", n_kv_head=0), "n_kv_head"),
+    (dict(attn="lrkv", lrkv_rank=0), "lrkv_rank"),
+    (dict(attn="lrkv", lrkv_rank=129), "lrkv_rank"),
+    (dict(attn="mla", rope_head_dim=128), "rope_head_dim"),
+    (dict(attn="mla", rope_head_dim=63), "rope_head_dim"),
+    (dict(attn="mla", kv_lora_rank=0), "kv_lora_rank"),
+    (dict(n_embd=770), "n_embd"),
+    (dict(n_head=0), "n_head"),
+    (dict(head_dim=127, n_embd=6 * 127), "head_dim"),
+    (dict(n_layer=2.5), "n_layer"),
+])
+def test_bad_configuration_raises(overrides, field):
+    with pytest.raises(ValueError, match=f"GPTConfig.{field} "):
+        GPTConfig(**overrides)
