@@ -1,0 +1,301 @@
+"""
+Head diversity from the weights alone: the paper's two figures (section 4) and its KV-cache
+Pareto view, for one or more checkpoints written by train.py.
+
+Head h of a layer scores key token y against query token x through the bilinear operator
+A_h = W_h^Q (W_h^K)^T (d x d), before the QK norm and RoPE. The head-similarity matrix G holds
+the cosines of the A_h under the Frobenius inner product, and its effective rank says how many
+distinct operators the layer's H heads amount to: 1 if all are the same, H if all are orthogonal.
+
+$ python analyze.py out/*/ckpt.pt           # or a folder holding */ckpt.pt: python analyze.py out
+$ python analyze.py out/mha/ckpt.pt --layer mean --centered --out_dir figures
+
+Writes effective_rank.png, head_correlation.png, kv_tradeoff.png and analysis.json, and prints
+a table. Everything runs on the CPU in float64.
+"""
+
+import argparse
+import json
+import math
+import pickle
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from model import GPT, GPTConfig
+
+# The paper's legend order, which gives matplotlib's default colours in its figure
+LEGEND_ORDER = ("mha", "lrkv", "mqa", "mla", "gqa")
+
+
+def fail(path, problem):
+    sys.exit(f"{path}: {problem}")
+
+
+def load(path):
+    """A train.py checkpoint and its model. weights_only: reading a checkpoint can never run code.
+    mmap and a model built on the meta device: nothing is read or initialised but the weights
+    the analysis touches, which keeps six 128M checkpoints to seconds."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except OSError as e:
+        fail(path, e.strerror)
+    except pickle.UnpicklingError:
+        fail(path, "refused: it holds Python objects that loading with weights_only=True does not allow")
+    except Exception:  # what else torch.load raises (mostly RuntimeError) says the file is no checkpoint
+        fail(path, "not a PyTorch checkpoint")
+    if not isinstance(ckpt, dict):
+        fail(path, f"not a train.py checkpoint: it holds a {type(ckpt).__name__}, not a dict")
+    for key in ("model_args", "model"):
+        if key not in ckpt:
+            fail(path, f"not a train.py checkpoint: it has no {key!r}")
+    try:
+        with torch.device("meta"):
+            model = GPT(GPTConfig(**ckpt["model_args"]))
+        model.load_state_dict(ckpt["model"], assign=True)
+    except (TypeError, ValueError, RuntimeError) as e:
+        fail(path, "model_args and weights do not make a GPT: " + " ".join(str(e).split()))
+    return ckpt, model
+
+
+def head_similarity(Wq, Wk):
+    """G[i, j] = <A_i, A_j>_F / (||A_i||_F ||A_j||_F) for A_h = Wq[h] Wk[h]^T, Wq and Wk (H, d, d_qk).
+    Section 4's trace form <A_i, A_j>_F = trace(Wk_i^T Wk_j Wq_j^T Wq_i) is the sum over (a, b) of
+    (Wq_i^T Wq_j)[a, b] (Wk_i^T Wk_j)[a, b]: every pair's d_qk x d_qk products come out of one
+    (H d_qk)^2 Gram matrix per side, and no d x d operator is ever built. In numpy: its W.T @ W
+    computes only half of the symmetric product (BLAS syrk), about twice as fast as torch's."""
+    H, d, d_qk = Wq.shape
+
+    def pair_products(W):  # [i, a, j, b] = (W_i^T W_j)[a, b]
+        W = W.double().numpy().transpose(1, 0, 2).reshape(d, H * d_qk)
+        return (W.T @ W).reshape(H, d_qk, H, d_qk)
+
+    inner = (pair_products(Wq) * pair_products(Wk)).sum((1, 3))
+    norms = np.sqrt(inner.diagonal())
+    return inner / np.outer(norms, norms)
+
+
+def effective_rank(G, centered=False):
+    """exp(-sum p_i log p_i) over the eigenvalues p_i of G normalised to sum 1 (section 4).
+    centered: double-centre G first, as kernel PCA does, so that only how the heads spread
+    around their mean operator counts; the centred G has at most H - 1 non-zero eigenvalues."""
+    H = len(G)
+    if centered:
+        G = G - G.mean(0, keepdims=True) - G.mean(1, keepdims=True) + G.mean()
+    eigenvalues = np.linalg.eigvalsh(G)
+    # G is positive semi-definite with trace H (centred: at most H), so eigenvalues this small
+    # are rounding: kept, they would count as directions, and when all heads are identical the
+    # centred G is nothing but rounding
+    p = eigenvalues[eigenvalues > 1e-9 * H]
+    if len(p) == 0:
+        # A zero (centred) G: the entropy is undefined, but its rank is 0, and an effective rank
+        # lies between 1 and the rank for every other matrix, so 0 it is: no spread at all.
+        return 0.0
+    p = p / p.sum()
+    return math.exp(-(p * np.log(p)).sum())
+
+
+def analyze(path):
+    """The checkpoint's config, and what analysis.json records of it apart from its label."""
+    ckpt, model = load(path)
+    config = model.config
+    # LRKV's W_shared + U_h B_h^T and MLA's W_down W_up,h are composed in float64 as well; only
+    # the attention weights are converted, the rest of the model is never read
+    for block in model.blocks:
+        block.attn.double()
+    similarity = [head_similarity(Wq, Wk) for Wq, Wk in model.head_qk_weights()]
+    kv_elements = model.kv_cache_elements_per_token()
+    validation = {key: None if ckpt.get(key) is None else float(ckpt[key]) for key in ("val_loss", "val_bpb")}
+    return config, {
+        "ckpt": str(path),
+        "attn": config.attn,
+        "n_layer": config.n_layer,
+        "n_head": config.n_head,
+        "n_params": model.get_num_params(),
+        "kv_cache_elements_per_token": kv_elements,
+        "kv_cache_fraction": kv_elements / (2 * config.n_head * config.head_dim),  # of MHA's 2 H d_h
+        **validation,
+        "effective_rank": [effective_rank(G) for G in similarity],
+        "effective_rank_centered": [effective_rank(G, centered=True) for G in similarity],
+        "similarity": [G.tolist() for G in similarity],
+    }
+
+
+def legend_key(config):
+    """MHA, LRKV, MQA, MLA, GQA, and within a variant by size: LRKV by r, MLA by d_c, GQA by G."""
+    size = {"lrkv": config.lrkv_rank, "mla": config.kv_lora_rank, "gqa": config.n_kv_head}.get(config.attn, 0)
+    return LEGEND_ORDER.index(config.attn), size
+
+
+def legend_labels(configs, ckpts):
+    """The paper's legend labels. MLA names its d_c only where MLA runs differ in it; a label that
+    would still name two checkpoints (two seeds, say) gets each one's folder appended."""
+    several_mla = len({c.kv_lora_rank for c in configs if c.attn == "mla"}) > 1
+    names = [{
+        "mha": "Standard MHA",
+        "lrkv": f"LRKV (r={c.lrkv_rank})",
+        "mqa": "MQA",
+        "mla": f"MLA (d_c={c.kv_lora_rank})" if several_mla else "MLA",
+        "gqa": f"GQA ({c.n_kv_head} KV heads)",
+    }[c.attn] for c in configs]
+    return [f"{name} ({Path(ckpt).parent})" if names.count(name) > 1 else name for name, ckpt in zip(names, ckpts)]
+
+
+def model_size(n_params):
+    """All parameters, both untied embeddings included (GPT.get_num_params, as train.py reports
+    them), to the nearest million: the paper's "128M" configuration reads 162M by this rule (124M
+    without the unembedding; the paper does not say how it counts, and no rule gives 128M)."""
+    return f"{n_params / 1e9:.1f}B" if n_params >= 1e9 else f"{n_params / 1e6:.0f}M"
+
+
+def plot_effective_rank(runs, centered):
+    """One line per checkpoint over the layers; the size in the title is the first run's, MHA's
+    where there is one."""
+    key = "effective_rank_centered" if centered else "effective_rank"
+    # identical heads score 1 (centred: 0), mutually orthogonal ones H (centred: H - 1)
+    H = max(run["n_head"] for run in runs)
+    redundant, top = (0, H - 1) if centered else (1, H)
+    fig = Figure(figsize=(7.5, 4), layout="constrained")
+    ax = fig.subplots()
+    for i, run in enumerate(runs):
+        ax.plot(run[key], marker="o", markersize=4, color=f"C{i}", label=run["label"])
+    ax.axhline(redundant, color="gray", linestyle="--", label="Fully redundant")
+    ax.set_ylim(redundant - 0.2, top + 0.2)
+    ax.set_yticks(range(redundant, top + 1))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    ax.set_xlabel("Layer")
+    ax.set_ylabel("PCA-based effective rank" if centered else "Effective rank")
+    kind = "PCA-based Effective Rank" if centered else "Effective Rank"
+    ax.set_title(f"Head Diversity via {kind} ({model_size(runs[0]['n_params'])})")
+    fig.legend(loc="outside right upper")
+    return fig
+
+
+def plot_head_correlation(runs, layer):
+    """One H x H panel of G per checkpoint, for layer `layer`: an index, "mean" (of the layers'
+    matrices), or None for each checkpoint's middle layer."""
+    similarity = [np.array(run["similarity"]) for run in runs]
+    if layer == "mean":
+        panels, which = [s.mean(0) for s in similarity], "mean over layers"
+    else:
+        index = [run["n_layer"] // 2 if layer is None else layer % run["n_layer"] for run in runs]
+        panels, which = [s[i] for s, i in zip(similarity, index)], "layer " + ", ".join(map(str, sorted(set(index))))
+    fig = Figure(figsize=(2.3 * len(runs) + 1, 3), layout="constrained")
+    axes = fig.subplots(1, len(runs), squeeze=False)[0]
+    for ax, run, G in zip(axes, runs, panels):
+        image = ax.imshow(G, cmap="RdBu_r", vmin=-1, vmax=1)
+        ax.set_title(run["label"], fontsize=10)
+        ax.set_xlabel("Head Index")
+        ax.set_ylabel("Head Index")
+        ax.set_xticks(range(run["n_head"]))
+        ax.set_yticks(range(run["n_head"]))
+    # pad is a fraction of the whole row: a tenth of one panel keeps the colour bar beside the last
+    fig.colorbar(image, ax=axes, pad=0.1 / len(runs), label="Similarity")
+    fig.suptitle(f"Attention Head Correlation ({which})")
+    return fig
+
+
+def pareto_front(points):
+    """The (x, y) points that no other point matches or beats on both, left to right."""
+    return sorted(p for p in points if not any(q != p and q[0] <= p[0] and q[1] <= p[1] for q in points))
+
+
+def plot_kv_tradeoff(runs):
+    """Validation loss and BPB against KV cache per token as % of MHA, one point per checkpoint
+    with validation numbers, and their Pareto front.
+    None if no checkpoint carries validation numbers."""
+    metrics = [("val_loss", "Validation loss (nats/token)"), ("val_bpb", "Validation bits per byte")]
+    metrics = [(key, name) for key, name in metrics if any(run[key] is not None for run in runs)]
+    if not metrics:
+        return None
+    fig = Figure(figsize=(4 * len(metrics) + 2, 3.6), layout="constrained")
+    axes = fig.subplots(1, len(metrics), squeeze=False)[0]
+    for ax, (key, name) in zip(axes, metrics):
+        points = [(100 * run["kv_cache_fraction"], run[key], i) for i, run in enumerate(runs) if run[key] is not None]
+        for x, y, i in points:
+            ax.scatter(x, y, color=f"C{i}", label=runs[i]["label"], zorder=3)
+        front = pareto_front([(x, y) for x, y, _ in points])
+        ax.plot(*zip(*front), color="gray", linestyle="--", zorder=2, label="Pareto front")
+        ax.grid(alpha=0.3)
+        ax.set_xlabel("KV cache per token (% of MHA)")
+        ax.set_ylabel(name)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right upper")
+    fig.suptitle("Validation Loss vs KV Cache Size")
+    return fig
+
+
+def print_table(runs):
+    rows = [("", "params", "KV elements/token/layer", "% of MHA", "val loss", "val BPB",
+             "eff. rank (% of H)", "centred (% of H)")]
+    for run in runs:
+        mean_ranks = [sum(run[key]) / run["n_layer"] for key in ("effective_rank", "effective_rank_centered")]
+        rows.append((
+            run["label"],
+            f"{run['n_params'] / 1e6:.1f}M",
+            str(run["kv_cache_elements_per_token"]),
+            f"{100 * run['kv_cache_fraction']:.1f}",
+            "-" if run["val_loss"] is None else f"{run['val_loss']:.3f}",
+            "-" if run["val_bpb"] is None else f"{run['val_bpb']:.3f}",
+            *(f"{rank:.2f} ({100 * rank / run['n_head']:.1f}%)" for rank in mean_ranks),
+        ))
+    widths = [max(len(row[col]) for row in rows) for col in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join([row[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(row[1:], widths[1:])]))
+
+
+def index_or_mean(value):
+    return value if value == "mean" else int(value)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Head diversity of GPT checkpoints, from their weights alone.")
+    parser.add_argument("ckpts", nargs="+", help="checkpoints, or folders holding */ckpt.pt")
+    parser.add_argument("--out_dir", type=Path,
+                        help="where the figures and analysis.json go (default: the folder of the first checkpoint)")
+    # The paper does not say which layer its heatmaps show. Default: the middle one. Not the mean:
+    # any order of a layer's heads is the same model, so head i of one layer has nothing to do
+    # with head i of the next, and averaging over layers blurs real pairs of heads toward 0.
+    parser.add_argument("--layer", type=index_or_mean, help="layer of head_correlation.png: an index, or 'mean' of "
+                        "the layers' similarity matrices (default: the middle layer, n_layer // 2)")
+    parser.add_argument("--centered", action="store_true", help="plot the PCA-based (double-centred) effective rank")
+    args = parser.parse_args(argv)
+
+    paths = []
+    for name in map(Path, args.ckpts):
+        found = sorted(name.glob("*/ckpt.pt")) if name.is_dir() else [name]
+        if not found:
+            fail(name, "a folder with no */ckpt.pt in it")
+        paths += found
+    analysed = sorted((analyze(path) for path in paths), key=lambda config_run: legend_key(config_run[0]))
+    configs, runs = zip(*analysed)
+    runs = [{"label": label, **run} for label, run in zip(legend_labels(configs, [run["ckpt"] for run in runs]), runs)]
+    if isinstance(args.layer, int):
+        for run in runs:
+            if not -run["n_layer"] <= args.layer < run["n_layer"]:
+                fail(run["ckpt"], f"has {run['n_layer']} layers, so no --layer {args.layer}")
+
+    out_dir = args.out_dir or paths[0].parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print_table(runs)
+    figures = {
+        "effective_rank.png": plot_effective_rank(runs, args.centered),
+        "head_correlation.png": plot_head_correlation(runs, args.layer),
+        "kv_tradeoff.png": plot_kv_tradeoff(runs),
+    }
+    for name, fig in figures.items():
+        if fig is None:
+            print(f"no checkpoint carries validation numbers, so no {name}")
+        else:
+            fig.savefig(out_dir / name, dpi=150)
+    with open(out_dir / "analysis.json", "w") as f:
+        json.dump({"runs": runs}, f)
+    print(f"wrote the figures and analysis.json to {out_dir}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""Tests of analyze.py: the effective rank at its two ends, the invariances of the head-similarity
+matrix, the trace form against the explicit d x d operators, the bounds of the centred rank,
+and the command line, end to end and on bad input."""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import analyze
+from model import GPT, GPTConfig
+
+H, D, D_QK = 4, 24, 6
+TINY = GPTConfig(
+    block_size=16, vocab_size=64, n_layer=3, n_head=4, n_embd=32, head_dim=8,
+    n_kv_head=2, kv_lora_rank=8, rope_head_dim=4, lrkv_rank=2,
+)
+
+
+def random_heads(seed=0, heads=H):
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(heads, D, D_QK, generator=generator, dtype=torch.float64) for _ in range(2))
+
+
+def random_orthogonal(seed):
+    Q, R = torch.linalg.qr(torch.randn(D_QK, D_QK, generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
+    return Q * R.diagonal().sign()
+
+
+def test_identical_heads_have_rank_one():
+    Wq, Wk = random_heads(heads=1)
+    G = analyze.head_similarity(Wq.expand(H, -1, -1), Wk.expand(H, -1, -1))
+    np.testing.assert_allclose(G, np.ones((H, H)))
+    assert analyze.effective_rank(G) == pytest.approx(1, abs=1e-9)
+    assert analyze.effective_rank(G, centered=True) == 0  # no spread around the mean at all
+
+
+def test_orthogonal_heads_have_rank_H():
+    # head h's Wq lives in its own block of rows, and so does its A_h = Wq_h Wk_h^T
+    Wq, Wk = random_heads()
+    rows = torch.arange(D) // (D // H)
+    Wq = Wq * (rows[None, :, None] == torch.arange(H)[:, None, None])
+    G = analyze.head_similarity(Wq, Wk)
+    np.testing.assert_allclose(G, np.eye(H), atol=1e-15)
+    assert analyze.effective_rank(G) == pytest.approx(H)
+    assert analyze.effective_rank(G, centered=True) == pytest.approx(H - 1)
+
+
+def test_similarity_ignores_basis_and_scale_inside_a_head():
+    Wq, Wk = random_heads()
+    G = analyze.head_similarity(Wq, Wk)
+    R = random_orthogonal(1)
+    rotated_q, rotated_k = Wq.clone(), Wk.clone()
+    rotated_q[1], rotated_k[1] = Wq[1] @ R, Wk[1] @ R
+    rotated_q[2], rotated_k[2] = 3 * Wq[2], 0.2 * Wk[2]
+    np.testing.assert_allclose(analyze.head_similarity(rotated_q, rotated_k), G, rtol=0, atol=1e-12)
+    # rotating the query side alone does change the operator, so the test above has teeth
+    rotated_q[1] = Wq[1] @ random_orthogonal(2)
+    assert not np.allclose(analyze.head_similarity(rotated_q, Wk), G, atol=1e-3)
+
+
+def test_trace_form_equals_explicit_operators():
+    Wq, Wk = random_heads()
+    A = (Wq @ Wk.transpose(1, 2)).flatten(1)  # the d x d operators, flattened
+    A = A / A.norm(dim=1, keepdim=True)
+    np.testing.assert_allclose(analyze.head_similarity(Wq, Wk), A @ A.t(), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("heads", [1, 2, 3, 6, 12])
+def test_centred_rank_stays_finite_and_below_H_minus_1(heads):
+    Wq, Wk = random_heads(seed=heads, heads=heads)
+    layers = {
+        "random": (Wq, Wk),
+        "identical": (Wq[:1].expand(heads, -1, -1), Wk[:1].expand(heads, -1, -1)),
+        "two groups": (Wq[torch.arange(heads) % 2], Wk[torch.arange(heads) % 2]),
+        "nearly identical": (Wq[:1] + 1e-9 * Wq, Wk[:1].expand(heads, -1, -1)),
+        "shared key": (Wq, Wk[:1].expand(heads, -1, -1)),
+    }
+    for name, (q, k) in layers.items():
+        G = analyze.head_similarity(q, k)
+        centred, uncentred = analyze.effective_rank(G, centered=True), analyze.effective_rank(G)
+        assert 0 <= centred <= max(heads - 1, 0) + 1e-9, name
+        assert 1 - 1e-9 <= uncentred <= heads + 1e-9, name
+
+
+def save_checkpoint(path, val_loss=None, val_bpb=None, seed=0, **overrides):
+    torch.manual_seed(seed)
+    config = replace(TINY, **overrides)
+    path.parent.mkdir(parents=True)
+    ckpt = {"model": GPT(config).state_dict(), "model_args": asdict(config), "val_loss": val_loss, "val_bpb": val_bpb}
+    torch.save(ckpt, path)
+
+
+def test_end_to_end(tmp_path, capsys):
+    # folder names sort differently from the legend, and one run has no validation numbers
+    runs = {
+        "a_gqa": dict(attn="gqa", val_loss=3.1, val_bpb=0.95),
+        "b_lrkv4": dict(attn="lrkv", lrkv_rank=4, val_loss=3.0, val_bpb=0.91),
+        "c_mha": dict(attn="mha", val_loss=3.05, val_bpb=0.93),
+        "d_mla": dict(attn="mla"),
+        "e_lrkv2": dict(attn="lrkv", lrkv_rank=2, val_loss=3.08, val_bpb=0.94),
+        "f_mqa": dict(attn="mqa", val_loss=3.2, val_bpb=0.97),
+    }
+    for seed, (name, kwargs) in enumerate(runs.items()):
+        save_checkpoint(tmp_path / "out" / name / "ckpt.pt", seed=seed, **kwargs)
+    out_dir = tmp_path / "figures"
+    analyze.main([str(tmp_path / "out"), "--out_dir", str(out_dir)])
+
+    written = sorted(p.name for p in out_dir.iterdir())
+    assert written == ["analysis.json", "effective_rank.png", "head_correlation.png", "kv_tradeoff.png"]
+    results = json.loads((out_dir / "analysis.json").read_text())["runs"]
+    order = ["Standard MHA", "LRKV (r=2)", "LRKV (r=4)", "MQA", "MLA", "GQA (2 KV heads)"]
+    assert [run["label"] for run in results] == order
+    for run in results:
+        assert run["n_layer"] == 3 and run["n_head"] == 4
+        assert len(run["effective_rank"]) == len(run["effective_rank_centered"]) == 3
+        similarity = np.array(run["similarity"])
+        assert similarity.shape == (3, 4, 4)
+        np.testing.assert_allclose(similarity.diagonal(axis1=1, axis2=2), np.ones((3, 4)))
+    mla = results[order.index("MLA")]
+    assert mla["val_loss"] is None and mla["val_bpb"] is None
+    assert [run["kv_cache_fraction"] for run in results] == [1, (16 + 16) / 64, (16 + 32) / 64, 16 / 64, (8 + 4) / 64, 32 / 64]
+    table = capsys.readouterr().out
+    assert all(sum(line.startswith(label + " ") for line in table.splitlines()) == 1 for label in order)
+
+    # the figures main saved, rebuilt from analysis.json to count their lines and panels
+    effective_rank = analyze.plot_effective_rank(results, centered=False).axes[0]
+    assert [line.get_label() for line in effective_rank.lines] == order + ["Fully redundant"]
+    assert effective_rank.get_ylim()[0] < 1 and effective_rank.get_ylim()[1] > 4
+    assert effective_rank.get_title() == f"Head Diversity via Effective Rank ({analyze.model_size(results[0]['n_params'])})"
+    panels = [ax for ax in analyze.plot_head_correlation(results, None).axes if ax.images]
+    assert [ax.get_title() for ax in panels] == order
+    loss, bpb = analyze.plot_kv_tradeoff(results).axes
+    assert len(loss.collections) == len(bpb.collections) == 5
+
+
+def run_cli(*args):
+    command = [sys.executable, "analyze.py", *map(str, args)]
+    return subprocess.run(command, cwd=Path(__file__).parent, capture_output=True, text=True)
+
+
+class RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.marker),)
+
+
+@pytest.mark.parametrize("problem", ["missing", "not a checkpoint", "no model_args", "runs code"])
+def test_bad_input_is_one_line_and_an_error(tmp_path, problem):
+    path, marker = tmp_path / "ckpt.pt", tmp_path / "code_ran"
+    if problem == "not a checkpoint":
+        path.write_text("hello")
+    elif problem == "no model_args":
+        torch.save({"model": GPT(TINY).state_dict()}, path)
+    elif problem == "runs code":
+        torch.save({"model_args": asdict(TINY), "model": RunsCode(marker)}, path)
+    result = run_cli(path)
+    assert result.returncode != 0
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith(f"{path}: ")
+    assert not marker.exists()
+    if problem == "runs code":  # which it does, loaded without weights_only
+        torch.load(path, weights_only=False)
+        assert marker.exists()

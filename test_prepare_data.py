@@ -1,0 +1,255 @@
+"""Tests for prepare_data.py. Offline: the GPT-2 ranks come from ../shared/tiktoken, and the
+FineWeb-Edu path reads a parquet file written here with FineWeb-Edu's schema."""
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import prepare_data as pd
+
+REPO = Path(__file__).resolve().parent
+os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(REPO.parent / "shared" / "tiktoken"))
+
+WORDS = ("the key and value cache of attention is low rank so we store a small projection "
+         "instead of every head ünïcödé 数据 naïve café 🙂 tabs\tand\nnewlines").split(" ")
+
+def make_texts(n, seed=0):
+    rng = random.Random(seed)
+    return [" ".join(rng.choices(WORDS, k=rng.randint(5, 300))) for _ in range(n)]
+
+def write_fineweb_parquet(path, texts):
+    # the columns of HuggingFaceFW/fineweb-edu; only `text` is read
+    n = len(texts)
+    table = pa.table({
+        "text": texts,
+        "id": [f"<urn:uuid:{i:08d}>" for i in range(n)],
+        "dump": ["CC-MAIN-2024-10"] * n,
+        "url": [f"https://example.org/{i}" for i in range(n)],
+        "file_path": ["s3://commoncrawl/crawl-data/example.warc.gz"] * n,
+        "language": ["en"] * n,
+        "language_score": [0.95] * n,
+        "token_count": [len(t) for t in texts],
+        "score": [3.2] * n,
+        "int_score": [3] * n,
+    })
+    pq.write_table(table, path, row_group_size=64)
+
+def documents(data_dir, split):
+    """The texts of a split's documents, read back from its shards."""
+    meta = pd.load_meta(data_dir)
+    tok = pd.get_tokenizer(meta["tokenizer"])
+    tokens = np.concatenate([pd.read_shard(p) for p in pd.shard_paths(data_dir, split)])
+    assert tokens[0] == tok.eot_id
+    starts = np.flatnonzero(tokens == tok.eot_id)
+    return [tok.decode(doc[1:]) for doc in np.split(tokens, starts[1:])]
+
+def check_dataset(data_dir, texts):
+    """The shards hold exactly the input documents, tokenized, each in one split, and the
+    counts agree with meta.json."""
+    meta = pd.load_meta(data_dir)
+    tok, lengths = pd.get_tokenizer(meta["tokenizer"]), pd.token_bytes(meta["tokenizer"])
+    train, val = documents(data_dir, "train"), documents(data_dir, "val")
+    assert train and val and not set(train) & set(val)
+    assert sorted(train + val) == sorted(texts)
+    for split, docs in (("train", train), ("val", val)):
+        tokens = np.concatenate([pd.read_shard(p) for p in pd.shard_paths(data_dir, split)])
+        expected = np.concatenate([[tok.eot_id, *ids] for ids in tok.encode_batch(docs)])
+        assert np.array_equal(tokens, expected)
+        assert meta[f"{split}_tokens"] == len(tokens)
+        assert meta[f"{split}_bytes"] == sum(len(d.encode()) for d in docs) == lengths[tokens].sum()
+    return meta
+
+def run_cli(*args, **env):
+    return subprocess.run([sys.executable, "prepare_data.py", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **env})
+
+def contents(folder):
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+def snapshot(folder):
+    """Contents plus inode and mtime: a file rewritten with the same bytes still differs."""
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns, p.read_bytes()) for p in folder.iterdir()}
+
+# -----------------------------------------------------------------------------
+
+def test_byte_tokenizer_round_trip():
+    tok = pd.get_tokenizer("byte")
+    assert (tok.vocab_size, tok.eot_id) == (256, 0)
+    texts = ["Hello world", "ünïcödé 数据 🙂\n", "nul\0bytes\0are dropped", ""]
+    ids = tok.encode_batch(texts)
+    assert ids[0].dtype == np.uint16 and ids[0].tolist() == list(b"Hello world")
+    assert [tok.decode(x) for x in ids] == [t.replace("\0", "") for t in texts]
+    assert all(tok.eot_id not in x for x in ids)
+
+def test_gpt2_known_ids():
+    tok = pd.get_tokenizer("gpt2")
+    assert (tok.vocab_size, tok.eot_id) == (50257, 50256)
+    ids = tok.encode_batch(["Hello world", " world", "<|endoftext|>"])
+    assert ids[0].dtype == np.uint16 and [x.tolist() for x in ids[:2]] == [[15496, 995], [995]]
+    assert tok.eot_id not in ids[2]  # text that spells the marker is still text
+    texts = make_texts(50)
+    assert [tok.decode(x) for x in tok.encode_batch(texts)] == texts
+
+@pytest.mark.parametrize("name", ["byte", "gpt2"])
+def test_token_bytes_count_utf8_bytes(name):
+    tok = pd.get_tokenizer(name)
+    lengths = pd.token_bytes(name)
+    assert lengths.shape == (tok.vocab_size,) and lengths[tok.eot_id] == 0
+    for text in make_texts(20):
+        assert lengths[tok.encode_batch([text])[0]].sum() == len(text.encode())
+
+def test_read_shard_round_trip_and_errors(tmp_path):
+    tokens = np.array([0, 1, 2, 50256, 65535], dtype=np.uint16)
+    path = tmp_path / "train_000000.bin"
+    pd.write_shard(path, tokens)
+    shard = pd.read_shard(path)
+    assert shard.dtype == np.uint16 and np.array_equal(shard, tokens)
+    assert not shard.flags.writeable
+
+    data = path.read_bytes()
+    cases = {"truncated": data[:-1], "short_header": data[:10],
+             "bad_magic": b"NOTTOKEN" + data[8:],
+             "bad_version": data[:8] + (99).to_bytes(8, "little") + data[16:]}
+    for name, broken in cases.items():
+        bad = tmp_path / f"{name}.bin"
+        bad.write_bytes(broken)
+        with pytest.raises(ValueError) as error:
+            pd.read_shard(bad)
+        assert str(bad) in str(error.value) and "\n" not in str(error.value)
+
+def test_fineweb_parquet_end_to_end(tmp_path):
+    texts = make_texts(300)
+    (tmp_path / "in").mkdir()
+    write_fineweb_parquet(tmp_path / "in" / "000_00000.parquet", texts[:180])
+    write_fineweb_parquet(tmp_path / "in" / "001_00000.parquet", texts[180:])
+    out = tmp_path / "out"
+    pd.main(["--dataset=fineweb-edu", f"--input={tmp_path / 'in'}", f"--out_dir={out}",
+             "--shard_tokens=4000", "--val_fraction=0.1"])
+    meta = check_dataset(out, texts)
+    assert (meta["tokenizer"], meta["vocab_size"], meta["eot_id"]) == ("gpt2", 50257, 50256)
+    assert len(meta["shards"]["train"]) > 3 and meta["documents"] == 300
+    assert 0.05 < meta["val_tokens"] / (meta["train_tokens"] + meta["val_tokens"]) < 0.15
+    assert not list(out.glob("*.tmp")) and not (out / "progress.json").exists()
+
+def test_text_folder_and_max_tokens(tmp_path):
+    texts = make_texts(40, seed=1)
+    for i, text in enumerate(texts):
+        folder = tmp_path / "in" / f"part{i % 3}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{i}.txt").write_text(text, encoding="utf-8")
+    pd.main(["--dataset=text", "--tokenizer=byte", f"--input={tmp_path / 'in'}",
+             f"--out_dir={tmp_path / 'all'}"])
+    check_dataset(tmp_path / "all", texts)
+
+    pd.main(["--dataset=text", "--tokenizer=byte", f"--input={tmp_path / 'in'}",
+             f"--out_dir={tmp_path / 'cut'}", "--max_tokens=1000"])
+    meta = pd.load_meta(tmp_path / "cut")
+    assert meta["train_tokens"] + meta["val_tokens"] == 1000
+
+def test_pydocs_is_deterministic(tmp_path):
+    for name in ("a", "b"):
+        pd.main(["--dataset=pydocs", "--tokenizer=byte", f"--out_dir={tmp_path / name}"])
+    meta = pd.load_meta(tmp_path / "a")
+    assert 1_000_000 < meta["train_bytes"] + meta["val_bytes"] < 4_000_000
+    assert meta["val_tokens"] > 0 and meta["vocab_size"] == 256
+    assert contents(tmp_path / "a") == contents(tmp_path / "b")
+
+def test_rerun_resumes_after_interruption(tmp_path, monkeypatch, capsys):
+    texts = make_texts(300, seed=2)
+    write_fineweb_parquet(tmp_path / "data.parquet", texts)
+    args = ["--dataset=fineweb-edu", f"--input={tmp_path / 'data.parquet'}", "--shard_tokens=3000",
+            "--val_fraction=0.1"]
+    pd.main(args + [f"--out_dir={tmp_path / 'whole'}"])
+
+    # killed halfway through writing the third train shard
+    write_atomic = pd.write_atomic
+    def dying(path, *parts):
+        if path.name == "train_000002.bin":
+            path.with_name(path.name + ".tmp").write_bytes(b"".join(parts)[:1000])
+            raise KeyboardInterrupt
+        write_atomic(path, *parts)
+    monkeypatch.setattr(pd, "write_atomic", dying)
+    out = tmp_path / "resumed"
+    with pytest.raises(KeyboardInterrupt):
+        pd.main(args + [f"--out_dir={out}"])
+    assert sorted(p.name for p in out.glob("*.bin")) == [
+        "train_000000.bin", "train_000001.bin", "val_000000.bin", "val_000001.bin"]
+    for shard in out.glob("*.bin"):
+        pd.read_shard(shard)
+    with pytest.raises(FileNotFoundError):
+        pd.load_meta(out)
+
+    monkeypatch.setattr(pd, "write_atomic", write_atomic)
+    before = snapshot(out)
+    capsys.readouterr()
+    pd.main(args + [f"--out_dir={out}"])
+    assert "resuming" in capsys.readouterr().out
+    after = snapshot(out)
+    assert all(after[name] == before[name] for name in before if name.endswith(".bin"))
+    assert contents(out) == contents(tmp_path / "whole")
+    check_dataset(out, texts)
+
+    pd.main(args + [f"--out_dir={out}"])
+    assert "already complete" in capsys.readouterr().out
+    assert snapshot(out) == after
+
+def test_load_meta_names_the_command(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cases = {"data/pydocs-byte": "`python prepare_data.py --dataset=pydocs --tokenizer=byte`",
+             tmp_path / "fineweb-edu-gpt2": f"--dataset=fineweb-edu --tokenizer=gpt2 --out_dir={tmp_path}/fineweb-edu-gpt2`",
+             "mine": "--dataset=... --tokenizer=... --out_dir=mine`"}
+    for data_dir, command in cases.items():
+        with pytest.raises(FileNotFoundError, match=re.escape(command)):
+            pd.shard_paths(data_dir, "train")
+
+# -----------------------------------------------------------------------------
+# bad input: one line on stderr, a non-zero exit, nothing written or overwritten
+
+@pytest.mark.parametrize("args, message", [
+    (["--dataset=wikipedia"], "invalid choice: 'wikipedia'"),
+    (["--tokenizer=llama"], "invalid choice: 'llama'"),
+    (["--dataset=text"], "--input is required"),
+    (["--dataset=text", "--input=no/such/folder"], "no/such/folder does not exist"),
+    (["--dataset=text", "--input={empty}"], "no .txt files"),
+    (["--dataset=fineweb-edu", "--input={empty}"], "no .parquet files"),
+    (["--val_fraction=1.5"], "invalid fraction value"),
+])
+def test_bad_input_is_one_line(tmp_path, args, message):
+    (tmp_path / "empty").mkdir()
+    result = run_cli(*(a.format(empty=tmp_path / "empty") for a in args), f"--out_dir={tmp_path / 'out'}")
+    assert result.returncode != 0
+    assert result.stderr.count("\n") == 1 and message in result.stderr
+    assert not (tmp_path / "out").exists()
+
+def test_corpus_too_small_writes_nothing(tmp_path):
+    (tmp_path / "only.txt").write_text("one file is one document, so val would be empty")
+    result = run_cli("--dataset=text", "--tokenizer=byte", f"--input={tmp_path / 'only.txt'}",
+                     f"--out_dir={tmp_path / 'out'}")
+    assert result.returncode != 0 and "too little text" in result.stderr.splitlines()[-1]
+    assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+
+def test_hub_unreachable_is_one_line(tmp_path):
+    result = run_cli("--dataset=fineweb-edu", f"--out_dir={tmp_path / 'out'}", HF_HUB_OFFLINE="1")
+    assert result.returncode != 0 and result.stderr.count("\n") == 1
+    assert "needs the network" in result.stderr and "--input DIR" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+def test_other_settings_do_not_overwrite(tmp_path):
+    texts = make_texts(30, seed=3)
+    (tmp_path / "in").mkdir()
+    for i, text in enumerate(texts):
+        (tmp_path / "in" / f"{i:02d}.txt").write_text(text)
+    args = ["--dataset=text", "--tokenizer=byte", f"--input={tmp_path / 'in'}", f"--out_dir={tmp_path / 'out'}"]
+    pd.main(args)
+    before = snapshot(tmp_path / "out")
+    result = run_cli(*args, "--val_fraction=0.5")
+    assert result.returncode != 0 and result.stderr.count("\n") == 1
+    assert "other settings" in result.stderr
+    assert snapshot(tmp_path / "out") == before
