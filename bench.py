@@ -1,0 +1,269 @@
+"""
+What each attention variant costs, all at one configuration, in one process, one after another.
+
+Training: forward, backward and train.py's optimizer step on random tokens (on a GPU with bf16
+autocast and torch.compile), timed after warm-up, median of several steps: ms, tokens/s, MFU and
+the time relative to MHA.
+
+Decoding: prefill a prompt, then feed one token at a time until the KV cache, sized to the
+context length, is full: ms per new token (median), tokens/s, the MiB its buffers hold and their
+share of MHA's. At the shortest context, generate() with and without the cache shows what the
+cache buys. Decoding runs in bf16 on a GPU, weights and cache alike, as a server would hold them
+(autocast would re-cast every weight at every token), and in fp32 on a CPU. It is not compiled:
+the caches grow by one position a step, so on a GPU every step also pays its kernel launches.
+
+    python bench.py --preset=cpu
+    python bench.py --preset=128m --device=cuda --check --out=bench_gpu.json
+
+Prints markdown tables and writes the same numbers to --out as JSON, rewritten after each variant
+so that a run cut short keeps what it measured.
+"""
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from contextlib import nullcontext
+from dataclasses import asdict
+from datetime import datetime, timezone
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from model import ATTENTION_VARIANTS, GPT, GPTConfig
+from train import TrainConfig, configure_optimizers, peak_flops
+
+PRESETS = {
+    # The paper's 128M model and batch: 16 x 2048 tokens a step. Decoding a batch of 16 makes
+    # reading the cache a visible share of a step next to the kernel launches.
+    "128m": dict(model={}, batch_size=16, seq_len=2048, warmup=3, steps=10,
+                 decode_batch=16, contexts=(512, 2048), new_tokens=32),
+    # The 128M's layer as it is (6 heads x 128, r = 46, d_c = 128 + 64) and its vocabulary per
+    # layer (50304 / 12 ~ 8192 / 2), so that each variant's projections weigh what they weigh at
+    # 128M: about a minute and a half on 2 cores. Muon's share of a step is not the 128M's: its
+    # Newton-Schulz iterations cost the same at 1,024 tokens a step as at 32,768.
+    "cpu": dict(model=dict(n_layer=2, vocab_size=8192), batch_size=1, seq_len=1024, warmup=1, steps=5,
+                decode_batch=1, contexts=(512, 2048), new_tokens=32),
+    # For the test: seconds on a CPU.
+    "tiny": dict(model=dict(block_size=64, vocab_size=256, n_layer=2, n_head=4, n_embd=64, head_dim=16,
+                            n_kv_head=2, kv_lora_rank=16, rope_head_dim=8, lrkv_rank=4),
+                 batch_size=2, seq_len=64, warmup=1, steps=2, decode_batch=2, contexts=(32, 64), new_tokens=4),
+}
+DECODE_WARMUP = 2  # untimed tokens after each prefill
+MIB = 2**20
+T0 = time.perf_counter()
+
+
+def log(msg):
+    print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
+
+
+def clock(device):
+    """Seconds, once the work queued on the device is done."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def inference_model(config, device, dtype):
+    """A model with every weight random: the real init zeroes each W_o and MLP W_out, so attention
+    would never reach the logits (the check would pass trivially) and a GPU multiplies zeros
+    faster than real weights."""
+    torch.manual_seed(0)
+    model = GPT(config)
+    with torch.no_grad():
+        for block in model.blocks:
+            for W in (block.attn.W_o.weight, block.mlp.W_out.weight):
+                W.uniform_(-math.sqrt(3 / W.size(1)), math.sqrt(3 / W.size(1)))
+    return model.to(device, dtype).eval()
+
+
+def check(config, preset, device, dtype):
+    """The training path's attention runs on the flash backend (forward and backward), and cached
+    decoding gives the full forward's logits."""
+    model = inference_model(config, device, dtype)
+    T, n = preset["contexts"][0], preset["new_tokens"]
+    idx = torch.randint(config.vocab_size, (2, T), device=device)
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            model(idx, idx)[1].backward()
+        flash_error = None
+    except RuntimeError as e:
+        flash_error = str(e).splitlines()[0]
+    with torch.inference_mode():
+        full = model(idx)[0]
+        caches = model.new_caches(2, T, dtype)
+        steps = [model(idx[:, :T - n], caches=caches)[0]]
+        steps += [model(idx[:, t:t + 1], caches=caches)[0] for t in range(T - n, T)]
+        cached = torch.cat(steps, dim=1)
+    rel_err = ((cached - full).norm() / full.norm()).item()
+    tol = 5e-2 if dtype == torch.bfloat16 else 1e-4
+    return dict(flash_error=flash_error, decode_rel_err=rel_err, decode_tol=tol,
+                ok=flash_error is None and rel_err < tol)
+
+
+def bench_train(config, preset, device, compile):
+    """train.py's step without its data: forward and backward, then the gradient clip and the
+    paper's optimisers, whose share is timed too (it does not grow with the batch)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    torch.manual_seed(0)
+    cfg = TrainConfig()
+    model = GPT(config).to(device)
+    optimizers = configure_optimizers(model, cfg)
+    forward = torch.compile(model) if compile else model
+    autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else nullcontext()
+    B, T = preset["batch_size"], preset["seq_len"]
+    x, y = torch.randint(config.vocab_size, (2, B, T), device=device)
+    steps, optimizer_steps = [], []
+    for _ in range(preset["warmup"] + preset["steps"]):
+        t0 = clock(device)
+        with autocast:
+            loss = forward(x, y)[1]
+        loss.backward()
+        t1 = clock(device)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        t2 = clock(device)
+        steps.append(t2 - t0)
+        optimizer_steps.append(t2 - t1)
+    log(f"  warm-up (compile included) {sum(steps[:preset['warmup']]):.1f}s")
+    ms = 1000 * statistics.median(steps[preset["warmup"]:])
+    tokens_per_s = B * T * 1000 / ms
+    peak = peak_flops(device)
+    return dict(ms_per_step=ms, optimizer_ms=1000 * statistics.median(optimizer_steps[preset["warmup"]:]),
+                tokens_per_s=tokens_per_s, mfu=model.flops_per_token(T) * tokens_per_s / peak if peak else None,
+                max_memory_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None)
+
+
+@torch.inference_mode()
+def bench_decode(config, preset, device, dtype):
+    model = inference_model(config, device, dtype)
+    B, n = preset["decode_batch"], preset["new_tokens"]
+    rows = []
+    for L in preset["contexts"]:
+        caches = model.new_caches(B, L, dtype)
+        prompt = torch.randint(config.vocab_size, (B, L - DECODE_WARMUP - n), device=device)
+        token = model(prompt, caches=caches)[0][:, -1:].argmax(-1)
+        times = []
+        for _ in range(DECODE_WARMUP + n):
+            t0 = clock(device)
+            token = model(token, caches=caches)[0].argmax(-1)
+            times.append(clock(device) - t0)
+        ms = 1000 * statistics.median(times[DECODE_WARMUP:])
+        mib = sum(buf.nbytes for cache in caches for buf in cache.buffers()) / MIB
+        rows.append(dict(context=L, ms_per_token=ms, tokens_per_s=B * 1000 / ms, cache_mib=mib))
+    # generate() prefills and samples as a user would; per new token, prefill included
+    prompt = torch.randint(config.vocab_size, (B, preset["contexts"][0] - n), device=device)
+    ms = {}
+    for use_cache in (True, False):
+        t0 = clock(device)
+        model.generate(prompt, n, temperature=0, use_cache=use_cache)
+        ms[use_cache] = 1000 * (clock(device) - t0) / n
+    return rows, dict(context=preset["contexts"][0], new_tokens=n, cached_ms_per_token=ms[True],
+                      uncached_ms_per_token=ms[False], speedup=ms[False] / ms[True])
+
+
+def save(result, path):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1, allow_nan=False)
+    os.replace(tmp, path)
+
+
+def markdown(result):
+    variants, tr, de, c = result["variants"], result["train"], result["decode"], result["config"]
+    lines = [f"bench.py --preset={result['preset']}: {result['device']}, torch {result['torch']}, {result['date']}", "",
+             f"Training: {tr['batch_size']} x {tr['seq_len']} tokens a step, {tr['dtype']}, "
+             f"{'compiled' if tr['compile'] else 'eager'}, median of {tr['steps']} steps after {tr['warmup']}", "",
+             "| variant | ms/step | of which optimizer | tokens/s | MFU | x MHA |", "|---|---:|---:|---:|---:|---:|"]
+    for name, v in variants.items():
+        t = v["train"]
+        mfu = "-" if t["mfu"] is None else f"{100 * t['mfu']:.1f}%"
+        lines.append(f"| {name} | {t['ms_per_step']:.1f} | {t['optimizer_ms']:.1f} | {t['tokens_per_s']:,.0f} | "
+                     f"{mfu} | {t['x_mha']:.2f} |")
+    lines += ["", f"Decoding: batch {de['batch_size']}, {de['dtype']}, median of {de['new_tokens']} new tokens "
+                  "that fill the cache up to the context", "",
+              "| variant | context | ms/token | tokens/s | cache MiB | % of MHA cache | x MHA time |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, v in variants.items():
+        for d in v["decode"]:
+            lines.append(f"| {name} | {d['context']} | {d['ms_per_token']:.2f} | {d['tokens_per_s']:,.0f} | "
+                         f"{d['cache_mib']:.1f} | {d['cache_pct_mha']:.1f} | {d['x_mha']:.2f} |")
+    lines += ["", f"LRKV's cache is {variants['lrkv']['decode'][0]['cache_pct_mha']:.2f}% of MHA's; "
+                  f"1/H + r/d_h = {100 * (1 / c['n_head'] + c['lrkv_rank'] / c['head_dim']):.2f}%", "",
+              f"generate() with and without the cache: batch {de['batch_size']}, {de['new_tokens']} new tokens after "
+              f"{de['contexts'][0] - de['new_tokens']}, ms per new token, prefill included", "",
+              "| variant | cached | uncached | cache speedup |", "|---|---:|---:|---:|"]
+    for name, v in variants.items():
+        u = v["uncached"]
+        lines.append(f"| {name} | {u['cached_ms_per_token']:.2f} | {u['uncached_ms_per_token']:.2f} | {u['speedup']:.1f}x |")
+    if "check" in variants["mha"]:
+        lines += ["", "| variant | flash attention, forward and backward | cached vs full logits, rel. error |",
+                  "|---|---|---|"]
+        for name, v in variants.items():
+            ch = v["check"]
+            lines.append(f"| {name} | {ch['flash_error'] or 'ok'} | {ch['decode_rel_err']:.1e} "
+                         f"({'ok' if ch['decode_rel_err'] < ch['decode_tol'] else 'FAIL'}: tolerance {ch['decode_tol']:.0e}) |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=PRESETS, default="cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="torch.compile the training step (default: on CUDA)")
+    parser.add_argument("--check", action="store_true", help="also check flash attention and cached decoding")
+    parser.add_argument("--out", default="out/bench.json")
+    args = parser.parse_args()
+    preset, device = PRESETS[args.preset], torch.device(args.device)
+    compile = device.type == "cuda" if args.compile is None else args.compile
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # as train.py: TF32 where autocast leaves fp32
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
+    result = dict(
+        preset=args.preset, date=datetime.now(timezone.utc).isoformat(timespec="seconds"), device=name, torch=torch.__version__, config={k: v for k, v in asdict(GPTConfig(**preset["model"])).items() if k != "attn"},
+        train=dict(batch_size=preset["batch_size"], seq_len=preset["seq_len"], warmup=preset["warmup"], steps=preset["steps"],
+                   dtype="bf16 autocast" if device.type == "cuda" else "fp32", compile=compile),
+        decode=dict(batch_size=preset["decode_batch"], contexts=list(preset["contexts"]), new_tokens=preset["new_tokens"],
+                    dtype=str(dtype).removeprefix("torch.")),
+        variants={},
+    )
+    for attn in ATTENTION_VARIANTS:
+        config = GPTConfig(attn=attn, **preset["model"])
+        row = result["variants"][attn] = {}
+        if args.check:
+            row["check"] = check(config, preset, device, dtype)
+            ch = row["check"]
+            log(f"{attn}: flash attention {ch['flash_error'] or 'ok'}; cached vs full logits {ch['decode_rel_err']:.1e}")
+        log(f"{attn}: training")
+        row["train"] = bench_train(config, preset, device, compile)
+        row["train"]["x_mha"] = row["train"]["ms_per_step"] / result["variants"]["mha"]["train"]["ms_per_step"]
+        t = row["train"]
+        log(f"{attn}: {t['ms_per_step']:.1f} ms/step ({t['optimizer_ms']:.1f} optimizer), {t['tokens_per_s']:,.0f} tokens/s"
+            + (f", MFU {100 * t['mfu']:.1f}%, {t['max_memory_gib']:.1f} GiB" if t["mfu"] is not None else ""))
+        if compile:
+            torch._dynamo.reset()  # five models' graphs in one process would exhaust dynamo's caches
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        row["decode"], row["uncached"] = bench_decode(config, preset, device, dtype)
+        for d, m in zip(row["decode"], result["variants"]["mha"]["decode"]):
+            d["cache_pct_mha"] = 100 * d["cache_mib"] / m["cache_mib"]
+            d["x_mha"] = d["ms_per_token"] / m["ms_per_token"]
+        log(f"{attn}: decoding " + ", ".join(f"{d['ms_per_token']:.2f} ms/token at {d['context']}" for d in row["decode"])
+            + f"; without the cache {row['uncached']['speedup']:.1f}x the time")
+        save(result, args.out)
+    print(markdown(result))
+    log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

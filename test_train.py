@@ -1,0 +1,203 @@
+"""train.py on a tiny model and a tiny byte-level dataset, on the CPU: it learns, resumes exactly,
+splits over two gloo processes without changing the losses, survives a kill while saving, and
+turns bad input into one line and exit code 2 with nothing written."""
+
+import json
+import math
+import signal
+import subprocess
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+import pytest
+import torch
+from pydoc_data.topics import topics
+
+import prepare_data
+import train
+from model import GPT, GPTConfig
+
+REPO = Path(__file__).resolve().parent
+STEPS, STOP = 12, 5
+TINY = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, head_dim=16, n_embd=32, attn="lrkv", lrkv_rank=4,
+            batch_size=4, micro_batch_size=2, max_steps=STEPS, warmup_steps=2, eval_interval=STOP, eval_tokens=512,
+            log_interval=1, device="cpu")
+
+
+def flags(**overrides):
+    return [f"--{k}={v}" for k, v in {**TINY, **overrides}.items()]
+
+
+def records(out_dir, key):
+    """{step: value} of one logged quantity."""
+    lines = (json.loads(line) for line in (Path(out_dir) / "log.jsonl").read_text().splitlines())
+    return {r["step"]: r[key] for r in lines if key in r}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """Forty pydoc topics as text files, through prepare_data.py into byte shards with a val split."""
+    root = tmp_path_factory.mktemp("data")
+    for i, key in enumerate(sorted(topics)[:40]):
+        (root / f"{i:02d}.txt").write_text(topics[key])
+    prepare_data.main(["--dataset=text", "--tokenizer=byte", "--input", str(root), "--val_fraction=0.1",
+                       f"--out_dir={root / 'bytes'}"])
+    return root / "bytes"
+
+
+@pytest.fixture(scope="module")
+def full_run(data_dir, tmp_path_factory):
+    """One uninterrupted run, which the resumed and the two-process runs must reproduce."""
+    out = tmp_path_factory.mktemp("full")
+    assert train.main(flags(data_dir=data_dir, out_dir=out)) == 0
+    return out
+
+
+def test_loss_falls_and_checkpoint_holds_the_run(full_run):
+    loss = records(full_run, "loss")
+    assert sorted(loss) == list(range(1, STEPS + 1))
+    assert loss[STEPS] < loss[1] - 0.5
+    val = records(full_run, "val_loss")
+    assert sorted(val) == [STOP, 2 * STOP, STEPS] and val[STEPS] < val[STOP]
+
+    ckpt = torch.load(full_run / "ckpt.pt", weights_only=True)
+    assert set(ckpt) == {"model", "model_args", "optimizers", "step", "val_loss", "val_bpb", "best_val_loss",
+                         "best_val_bpb", "config", "tokenizer", "rng"}
+    assert ckpt["step"] == STEPS and len(ckpt["optimizers"]) == 2
+    assert ckpt["val_loss"] == val[STEPS] and ckpt["best_val_loss"] == min(val.values())
+    assert ckpt["val_bpb"] == records(full_run, "val_bpb")[STEPS]
+    assert ckpt["config"]["max_steps"] == STEPS and ckpt["tokenizer"]["tokenizer"] == "byte"
+    model = GPT(GPTConfig(**ckpt["model_args"]))
+    model.load_state_dict(ckpt["model"])  # strict: no compile or DDP prefixes
+    assert not (full_run / "ckpt.pt.tmp").exists()
+
+
+def test_resume_reproduces_the_uninterrupted_run(data_dir, full_run, tmp_path):
+    # the same budget (max_steps, hence the same schedule), stopped after step STOP, then resumed
+    assert train.main(flags(data_dir=data_dir, out_dir=tmp_path, stop_after=STOP)) == 0
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == STOP
+    assert train.main(flags(data_dir=data_dir, out_dir=tmp_path, n_layer=1) + ["--resume"]) == 2
+    assert train.main(flags(data_dir=data_dir, out_dir=tmp_path) + ["--resume"]) == 0
+    expected, resumed = records(full_run, "loss"), records(tmp_path, "loss")
+    assert sorted(resumed) == sorted(expected)
+    for step in expected:
+        assert abs(resumed[step] - expected[step]) < 1e-6, step
+    assert abs(records(tmp_path, "val_loss")[STEPS] - records(full_run, "val_loss")[STEPS]) < 1e-6
+
+
+def test_two_gloo_processes_match_one(data_dir, full_run, tmp_path):
+    # one process accumulates two micro batches of 2 a step; two processes take one each and DDP averages
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+               *flags(data_dir=data_dir, out_dir=tmp_path)]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    expected, split = records(full_run, "loss"), records(tmp_path, "loss")
+    assert sorted(split) == sorted(expected)
+    for step in expected:
+        assert abs(split[step] - expected[step]) < 1e-4, step
+    assert abs(records(tmp_path, "val_bpb")[STEPS] - records(full_run, "val_bpb")[STEPS]) < 1e-4
+
+
+def test_batches_depend_only_on_seed_step_and_rank(data_dir):
+    shards = [prepare_data.read_shard(p) for p in prepare_data.shard_paths(data_dir, "train")]
+    batches = train.TrainBatches(shards, 32)
+    x, y = batches.get(seed=3, step=7, batch_size=8, rank=0, world_size=1)
+    assert torch.equal(x, train.TrainBatches(shards, 32).get(3, 7, 8, 0, 1)[0])
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    halves = [batches.get(3, 7, 8, rank, 2)[0] for rank in (0, 1)]
+    assert torch.equal(torch.cat(halves), x)
+    assert not torch.equal(batches.get(3, 8, 8, 0, 1)[0], x)
+
+
+def test_bits_per_byte_is_exact():
+    """A model that predicts every byte with probability 1/256 spends 8 bits on each byte, and the
+    zero-byte end-of-text targets count in the loss but not in BPB."""
+    tokens = torch.tensor([0, 65, 66, 0, 67, 68, 69, 0, 70], dtype=torch.int64)
+    bytes_per_token = torch.ones(256)
+    bytes_per_token[0] = 0
+    uniform = lambda idx: (torch.zeros(*idx.shape, 256), None)
+    loss, bpb = train.evaluate(uniform, tokens, bytes_per_token, 4, 1, nullcontext(), 0, 1)
+    assert loss == pytest.approx(math.log(256)) and bpb == pytest.approx(8.0)
+
+
+def test_schedule_and_optimizers():
+    cfg = train.TrainConfig(max_steps=100, warmup_steps=10)
+    assert train.lr_multiplier(0, cfg) == pytest.approx(0.1)
+    assert train.lr_multiplier(9, cfg) == train.lr_multiplier(10, cfg) == 1.0
+    assert train.lr_multiplier(55, cfg) == pytest.approx(0.5)
+    assert 0 < train.lr_multiplier(99, cfg) < 1e-3
+
+    model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, head_dim=16, n_embd=32, attn="lrkv",
+                          lrkv_rank=4))
+    muon, adamw = train.configure_optimizers(model, cfg)
+    assert isinstance(muon, torch.optim.Muon)
+    assert {id(p) for p in muon.param_groups[0]["params"]} == {id(p) for p in model.blocks.parameters()}
+    assert [[id(p) for p in g["params"]] for g in adamw.param_groups] == [[id(model.wte.weight)], [id(model.lm_head.weight)]]
+    assert [g["lr"] for g in adamw.param_groups] == [0.2, 0.004]
+    (only,) = train.configure_optimizers(model, train.TrainConfig(optimizer="adamw"))
+    assert sum(len(g["params"]) for g in only.param_groups) == len(list(model.parameters()))
+
+
+def test_a_kill_while_saving_keeps_the_previous_checkpoint(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    train.save_checkpoint(path, {"step": 1, "w": torch.ones(3)})
+    # the child writes part of the new checkpoint, says so, and waits to be killed
+    child = subprocess.Popen([sys.executable, "-c", f"""
+import io, time, torch, train
+from pathlib import Path
+real_save = torch.save
+def half_save(obj, f):
+    buffer = io.BytesIO()
+    real_save(obj, buffer)
+    f.write(buffer.getvalue()[:200])
+    f.flush()
+    print("saving", flush=True)
+    time.sleep(60)
+torch.save = half_save
+train.save_checkpoint(Path({str(path)!r}), {{"step": 2, "w": torch.zeros(1000)}})
+"""], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline() == "saving\n"
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert (tmp_path / "ckpt.pt.tmp").exists()
+    ckpt = torch.load(path, weights_only=True)
+    assert ckpt["step"] == 1 and torch.equal(ckpt["w"], torch.ones(3))
+
+
+def test_a_diverging_run_stops_and_keeps_its_last_checkpoint(data_dir, tmp_path, capsys):
+    assert train.main(flags(data_dir=data_dir, out_dir=tmp_path, max_steps=2, eval_interval=2)) == 0
+    capsys.readouterr()
+    assert train.main(flags(data_dir=data_dir, out_dir=tmp_path, max_steps=4, eval_interval=2, muon_lr="inf")) == 1
+    err = capsys.readouterr().err
+    assert "the loss is nan; stopping" in err and "left as it was" in err
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 2
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--n_layr=3"], "did you mean --n_layer"),
+    (["--n_layer=two"], "--n_layer=two: expected int"),
+    (["--attn=mhq"], "must be one of mha"),
+    (["--optimizer=sgd"], "--optimizer='sgd': must be one of muon, adamw"),
+    (["--data_dir=nowhere"], "python prepare_data.py"),
+    (["--vocab_size=50304"], "--vocab_size=256"),
+    (["--eval_tokens=100000"], "lower --eval_tokens"),
+    (["--resume"], "to resume from"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(bad, message, data_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert train.main(flags(data_dir=data_dir, out_dir=out) + bad) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+    assert not out.exists()
+
+
+def test_bad_preset_is_reported_from_the_command_line(data_dir, tmp_path):
+    preset = tmp_path / "preset.py"
+    preset.write_text("n_layer = 2\nlrkv_rank = 'four'\n")
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "train.py", str(preset), *flags(data_dir=data_dir, out_dir=out)],
+                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr == f"train.py: {preset}: lrkv_rank = 'four': expected int\n"
+    assert not out.exists()

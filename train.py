@@ -1,0 +1,518 @@
+"""
+Train one attention variant of model.py's GPT on token shards written by prepare_data.py.
+
+    python train.py --attn=mqa                                  # the paper's 128M recipe (section 2)
+    python train.py config/demo.py --attn=lrkv --lrkv_rank=4    # a preset file, then flags
+    torchrun --standalone --nproc_per_node=8 train.py --attn=lrkv
+    python train.py --attn=mqa --resume                         # continue out_dir/ckpt.pt
+
+Every field of GPTConfig (model.py) and TrainConfig (below) is a --name=value flag. A positional
+argument is a preset: a Python file assigning field names, applied before the flags.
+The run prints its progress, writes the same records to out_dir/log.jsonl for plotting, and
+saves out_dir/ckpt.pt after every evaluation.
+"""
+
+import dataclasses
+import difflib
+import gc
+import json
+import math
+import os
+import sys
+import time
+import typing
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from model import GPT, GPTConfig
+from prepare_data import TOKENIZERS, load_meta, read_shard, shard_paths, token_bytes
+
+
+@dataclass
+class TrainConfig:
+    # data and output
+    data_dir: str = "data/fineweb-edu-gpt2"
+    out_dir: str = "out"
+    resume: bool = False  # continue out_dir/ckpt.pt; give the run's flags again (the lrs come from the checkpoint)
+    # batch and budget: the paper's 16 sequences of 2048 tokens, 32,768 tokens a step
+    batch_size: int = 16  # sequences per optimizer step, over all devices together
+    micro_batch_size: int = 16  # most sequences a device holds at once; gradient accumulation fills the step
+    max_steps: int = 3_051_758  # the token budget: the paper's 100B tokens / 32,768 tokens a step
+    stop_after: int = 0  # stop after this step, checkpointed, on max_steps' schedule, for --resume to go on; 0: don't
+    # optimisation
+    optimizer: str = "muon"  # muon: Muon for the blocks' matrices, AdamW for wte and lm_head; adamw: AdamW for all
+    muon_lr: float = 0.02
+    adamw_lr: float = 0.003  # the blocks' matrices under --optimizer=adamw; not tuned
+    embedding_lr: float = 0.2  # AdamW, wte
+    unembedding_lr: float = 0.004  # AdamW, lm_head
+    weight_decay: float = 0.1  # decoupled, every parameter in both optimizers
+    grad_clip: float = 1.0  # largest global gradient norm; 0: no clipping
+    warmup_steps: int = 2000
+    # evaluation and logging
+    eval_interval: int = 5000  # steps between evaluations (and checkpoints); the last step always gets one
+    eval_tokens: int = 2**21  # the fixed validation slice, in whole block_size windows from the start of the val split
+    log_interval: int = 100
+    # system
+    seed: int = 0
+    device: str = "auto"  # auto: cuda, then mps, then cpu
+    dtype: str = "auto"  # bfloat16 (autocast) or float32; auto: bfloat16 on CUDA only
+    compile: bool | None = None  # torch.compile; None: on CUDA only
+
+    def __post_init__(self):
+        def bad(field, allowed):
+            raise ValueError(f"--{field}={getattr(self, field)!r}: must be {allowed}")
+
+        for field in ("batch_size", "micro_batch_size", "max_steps", "eval_interval", "eval_tokens", "log_interval"):
+            if getattr(self, field) < 1:
+                bad(field, "a positive integer")
+        for field in ("stop_after", "warmup_steps", "seed", "muon_lr", "adamw_lr", "embedding_lr", "unembedding_lr",
+                      "weight_decay", "grad_clip"):
+            if not getattr(self, field) >= 0:  # `not >=` also refuses nan
+                bad(field, "zero or more")
+        for field, allowed in (("optimizer", ("muon", "adamw")), ("device", ("auto", "cuda", "mps", "cpu")),
+                               ("dtype", ("auto", "bfloat16", "float32"))):
+            if getattr(self, field) not in allowed:
+                bad(field, "one of " + ", ".join(allowed))
+
+
+class ConfigError(Exception):
+    """A bad flag, preset, data folder or checkpoint: reported as one line before anything is written."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Flags and presets
+
+def settings():
+    """Every settable field, by name: the model's and the training run's."""
+    return {f.name: f for cls in (GPTConfig, TrainConfig) for f in dataclasses.fields(cls)}
+
+
+def base_type(field):
+    """The type a field's values have: bool for `bool | None`, whose None means "decided by device"."""
+    return next((t for t in typing.get_args(field.type) if t is not type(None)), field.type)
+
+
+def lookup(name, fields):
+    if name in fields:
+        return fields[name]
+    close = difflib.get_close_matches(name, fields, n=5, cutoff=0.6)
+    listed = ", ".join("--" + n for n in (close or fields))
+    raise ConfigError(f"unknown setting {name!r}; " + (f"did you mean {listed}?" if close else f"valid: {listed}"))
+
+
+def parse_flag(name, text, kind):
+    if kind is bool and text.lower() in ("true", "1", "false", "0"):
+        return text.lower() in ("true", "1")
+    if kind is not bool:
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    raise ConfigError(f"--{name}={text}: expected {kind.__name__}")
+
+
+def check_preset_value(path, name, value, field):
+    """A preset's value, checked against its field's type: an int passes for a float, None only
+    where the field allows it."""
+    kind = base_type(field)
+    if value is None and kind is not field.type:
+        return value
+    if kind is float and type(value) is int:
+        return float(value)
+    if type(value) is not kind:
+        raise ConfigError(f"{path}: {name} = {value!r}: expected {kind.__name__}")
+    return value
+
+
+def parse_args(argv):
+    """(GPTConfig, TrainConfig) from the defaults, then preset files in order, then --name=value flags."""
+    fields, values = settings(), {}
+    for arg in argv:
+        if arg.startswith("--"):
+            name, has_value, text = arg[2:].partition("=")
+            kind = base_type(lookup(name, fields))
+            if not has_value and kind is not bool:
+                raise ConfigError(f"--{name} needs a value: --{name}=...")
+            values[name] = parse_flag(name, text, kind) if has_value else True
+        else:
+            try:
+                preset = {}
+                exec(Path(arg).read_text(), {}, preset)
+            except FileNotFoundError:
+                raise ConfigError(f"no preset file {arg}") from None
+            except Exception as e:  # a preset is the user's own code: report its error in one line
+                raise ConfigError(f"{arg}: {type(e).__name__}: {e}") from None
+            for name, value in preset.items():
+                try:
+                    field = lookup(name, fields)
+                except ConfigError as e:
+                    raise ConfigError(f"{arg}: {e}") from None
+                values[name] = check_preset_value(arg, name, value, field)
+    model_fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    try:
+        model_config = GPTConfig(**{k: v for k, v in values.items() if k in model_fields})
+        cfg = TrainConfig(**{k: v for k, v in values.items() if k not in model_fields})
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return model_config, cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+
+class TrainBatches:
+    """Step s's global batch is batch_size windows of block_size + 1 tokens, at window starts that a
+    generator seeded with (seed, s) draws among all windows inside the train shards. A batch depends
+    on nothing but (seed, step), so a resumed run sees the batches of the uninterrupted one, and
+    rank r takes the r-th contiguous share of it, so N processes see what one process would."""
+
+    def __init__(self, shards, block_size):
+        self.shards, self.block_size = shards, block_size
+        self.ends = np.cumsum([max(len(shard) - block_size, 0) for shard in shards])
+
+    def get(self, seed, step, batch_size, rank, world_size):
+        """This rank's inputs and targets, (batch_size // world_size, block_size) int64 each."""
+        starts = np.random.default_rng([seed, step]).integers(self.ends[-1], size=batch_size)
+        share = batch_size // world_size
+        rows = []
+        for start in starts[rank * share:(rank + 1) * share]:
+            i = np.searchsorted(self.ends, start, side="right")
+            offset = start - (self.ends[i - 1] if i else 0)
+            rows.append(self.shards[i][offset:offset + self.block_size + 1])
+        windows = torch.from_numpy(np.stack(rows).astype(np.int64))
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+
+def load_data(cfg, model_config):
+    """meta.json, the train batches, the validation slice and each token's UTF-8 length, or a
+    ConfigError that says what to run."""
+    try:
+        meta = load_meta(cfg.data_dir)
+        train = [read_shard(path) for path in shard_paths(cfg.data_dir, "train")]
+        val = [read_shard(path) for path in shard_paths(cfg.data_dir, "val")]
+        bytes_per_token = torch.from_numpy(token_bytes(meta["tokenizer"])).float()
+    except (OSError, ValueError) as e:  # OSError: no data, or the gpt2 tokenizer offline and uncached
+        raise ConfigError(str(e)) from None
+    # the model's vocabulary may pad the data's to a multiple of 128 (GPT-2: 50257 -> 50304), no more
+    data_vocab, model_vocab = meta["vocab_size"], model_config.vocab_size
+    padded = -(-data_vocab // 128) * 128
+    if not data_vocab <= model_vocab <= padded:
+        raise ConfigError(
+            f"{cfg.data_dir} holds {meta['tokenizer']} tokens (vocabulary {data_vocab}), "
+            f"the model has --vocab_size={model_vocab}: "
+            f"pass --vocab_size={padded} for this data, or make data in the model's vocabulary with "
+            f"`python prepare_data.py --tokenizer=...` (one of {', '.join(TOKENIZERS)}) and point --data_dir at it")
+    T = model_config.block_size
+    batches = TrainBatches(train, T)
+    if not len(train) or batches.ends[-1] == 0:
+        raise ConfigError(f"{cfg.data_dir}: no train shard holds block_size + 1 = {T + 1} tokens")
+    if cfg.eval_tokens < T:
+        raise ConfigError(f"--eval_tokens={cfg.eval_tokens}: must be at least block_size = {T}")
+    needed = cfg.eval_tokens // T * T + 1
+    parts, have = [], 0
+    for shard in val:
+        parts.append(shard[:needed - have])
+        have += len(parts[-1])
+    if have < needed:
+        raise ConfigError(f"{cfg.data_dir}: the val split holds {have} tokens, --eval_tokens={cfg.eval_tokens} "
+                          f"needs {needed}: lower --eval_tokens")
+    val_tokens = torch.from_numpy(np.concatenate(parts).astype(np.int64))
+    return meta, batches, val_tokens, bytes_per_token
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimisation
+
+def configure_optimizers(model, cfg):
+    """The paper's optimisers: Muon for every matrix inside the blocks, AdamW with their own lrs for
+    the token embedding and the unembedding; --optimizer=adamw moves the blocks' matrices to AdamW at
+    adamw_lr. The paper's AdamW lrs are kept as they are: nanochat's (n_embd / 768) ** -0.5 scaling
+    of them is 1 at the 128M width, and the paper does not say it applies it elsewhere.
+    Each param group's initial_lr is the peak that the schedule scales."""
+    matrices = list(model.blocks.parameters())
+    if len(matrices) + 2 != len(list(model.parameters())):
+        raise ValueError("GPT has parameters outside wte, lm_head and the blocks: configure_optimizers misses them")
+    adamw_groups = [dict(params=[model.wte.weight], lr=cfg.embedding_lr),
+                    dict(params=[model.lm_head.weight], lr=cfg.unembedding_lr)]
+    adamw = dict(betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=model.wte.weight.is_cuda)
+    if cfg.optimizer == "adamw":
+        optimizers = [torch.optim.AdamW([dict(params=matrices, lr=cfg.adamw_lr), *adamw_groups], **adamw)]
+    else:
+        # adjust_lr_fn="original" is Keller Jordan's: the orthogonalised update is scaled by
+        # sqrt(max(1, rows / cols)), so lr 0.02 moves a square matrix by 0.02 times an orthogonal
+        # matrix, the convention of modded-nanogpt and nanochat that the paper's 0.02 comes from
+        # ("match_rms_adamw" would make it an AdamW-sized lr instead). Weight decay multiplies
+        # each matrix by 1 - lr * weight_decay a step, with the unadjusted lr.
+        muon = torch.optim.Muon(matrices, lr=cfg.muon_lr, weight_decay=cfg.weight_decay, adjust_lr_fn="original")
+        optimizers = [muon, torch.optim.AdamW(adamw_groups, **adamw)]
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["initial_lr"] = group["lr"]
+    return optimizers
+
+
+def lr_multiplier(step, cfg):
+    """Linear warm-up to 1 over warmup_steps, then a cosine down to 0 at max_steps (step counts from 0)."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    return 0.5 * (1 + math.cos(math.pi * progress))
+
+
+# Dense bf16 peak FLOP/s of one GPU, matched in this order against torch.cuda.get_device_name
+PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
+
+
+def peak_flops(device):
+    """One device's dense bf16 peak, or None where MFU means nothing (a CPU, MPS, an unknown GPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_FLOPS if key in name), None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation and checkpoints
+
+@torch.no_grad()
+def evaluate(model, val_tokens, bytes_per_token, block_size, batch_size, autocast, rank, world_size):
+    """(mean cross-entropy in nats per token, bits per byte) on the fixed validation slice: its
+    consecutive block_size windows, shared out among the ranks. BPB is the summed nats over the
+    summed UTF-8 bytes of the target tokens, times 1 / ln 2, with the zero-byte end-of-text token
+    left out of both sums, so that it compares across tokenizers."""
+    device = bytes_per_token.device
+    windows = val_tokens.unfold(0, block_size + 1, block_size)
+    totals = torch.zeros(3, dtype=torch.float64)  # nats, nats of byte-carrying targets, bytes
+    mine = windows[rank::world_size]
+    for i in range(0, len(mine), batch_size):
+        batch = mine[i:i + batch_size].to(device)
+        with autocast:
+            logits, _ = model(batch[:, :-1])
+        targets = batch[:, 1:].flatten()
+        nats = F.cross_entropy(logits.flatten(0, 1), targets, reduction="none")
+        nbytes = bytes_per_token[targets]
+        totals += torch.stack([nats.sum(), (nats * (nbytes > 0)).sum(), nbytes.sum()]).cpu().double()
+    if world_size > 1:
+        totals = totals.to(device)
+        dist.all_reduce(totals)
+        totals = totals.cpu()
+    nats, byte_nats, nbytes = totals.tolist()
+    return nats / (len(windows) * block_size), byte_nats / (math.log(2) * nbytes)
+
+
+def save_checkpoint(path, checkpoint):
+    """Write path atomically: into path.tmp, then a rename, so that a process killed while saving
+    leaves the previous checkpoint whole (fsync: and so does a power cut)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(checkpoint, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_resume_checkpoint(cfg, model_config):
+    """out_dir/ckpt.pt, checked to hold the model and optimizer that the flags describe."""
+    path = Path(cfg.out_dir) / "ckpt.pt"
+    if not path.exists():
+        raise ConfigError(f"--resume: there is no {path} to resume from")
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    saved = {**ckpt["model_args"], "optimizer": ckpt["config"]["optimizer"]}
+    wanted = {**dataclasses.asdict(model_config), "optimizer": cfg.optimizer}
+    changed = ", ".join(f"{k}={saved[k]!r} (flags: {wanted.get(k)!r})" for k in saved if saved[k] != wanted.get(k))
+    if changed:
+        raise ConfigError(f"--resume: {path} was trained with {changed}; give the flags of the run it continues")
+    return ckpt
+
+
+def log(out_dir, record, line):
+    print(line, flush=True)
+    with open(Path(out_dir) / "log.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def start_log(out_dir, resume_step):
+    """A fresh run starts an empty log; a resumed one keeps the records up to its checkpoint's step
+    (the stopped run may have logged past it), so the log reads as one uninterrupted run."""
+    path = Path(out_dir) / "log.jsonl"
+    kept = []
+    if resume_step is not None and path.exists():
+        kept = [line + "\n" for line in path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
+    path.write_text("".join(kept))
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+
+def pick_device(name, local_rank):
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available() or name == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"--device={name}: not available on this machine")
+    return torch.device("cuda", local_rank) if name == "cuda" else torch.device(name)
+
+
+def main(argv=None):
+    """Check everything, then train; the exit code: 0 done, 1 the loss diverged, 2 bad input."""
+    # torchrun's environment; a plain `python train.py` is rank 0 of 1
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    try:
+        model_config, cfg = parse_args(sys.argv[1:] if argv is None else argv)
+        if cfg.batch_size % world_size:
+            raise ConfigError(f"--batch_size={cfg.batch_size} does not split over {world_size} processes")
+        micro_batch = min(cfg.micro_batch_size, cfg.batch_size // world_size)
+        if cfg.batch_size // world_size % micro_batch:
+            raise ConfigError(f"--micro_batch_size={micro_batch} does not divide the {cfg.batch_size // world_size} "
+                              f"sequences each of {world_size} processes takes a step")
+        data = load_data(cfg, model_config)
+        device = pick_device(cfg.device, local_rank)
+        ckpt = load_resume_checkpoint(cfg, model_config) if cfg.resume else None
+    except ConfigError as e:
+        if rank == 0:
+            print(f"train.py: {e}", file=sys.stderr)
+        return 2
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size == 1:
+        return train(model_config, cfg, data, device, ckpt, micro_batch, rank, world_size)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        return train(model_config, cfg, data, device, ckpt, micro_batch, rank, world_size)
+    finally:
+        # DDP sits in reference cycles, which only the garbage collector frees: free it now, while
+        # the process group and the interpreter are whole (at exit, gloo's threads can abort the process)
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def train(model_config, cfg, data, device, ckpt, micro_batch, rank, world_size):
+    """Train from ckpt (None: from the start) up to step min(max_steps, stop_after); the exit code."""
+    meta, batches, val_tokens, bytes_per_token = data
+    is_main, ddp = rank == 0, world_size > 1
+    dtype = cfg.dtype if cfg.dtype != "auto" else "bfloat16" if device.type == "cuda" else "float32"
+    compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 for the matmuls autocast leaves in fp32
+    torch.manual_seed(cfg.seed)
+    raw_model = GPT(model_config).to(device)
+    optimizers = configure_optimizers(raw_model, cfg)
+    step, evals = 0, dict(val_loss=None, val_bpb=None, best_val_loss=None, best_val_bpb=None)
+    if ckpt is not None:
+        raw_model.load_state_dict(ckpt["model"])
+        for opt, state in zip(optimizers, ckpt["optimizers"]):
+            opt.load_state_dict(state)
+        step, evals = ckpt["step"], {k: ckpt[k] for k in evals}
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        if device.type == "cuda" and ckpt["rng"]["cuda"] is not None:
+            torch.cuda.set_rng_state(ckpt["rng"]["cuda"], device)
+    model = torch.compile(raw_model) if compile else raw_model
+    train_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if ddp else model
+    bytes_per_token = bytes_per_token.to(device)
+
+    T = model_config.block_size
+    accum_steps = cfg.batch_size // world_size // micro_batch
+    tokens_per_step = cfg.batch_size * T
+    last_step = min(cfg.max_steps, cfg.stop_after or cfg.max_steps)
+    flops_per_step = raw_model.flops_per_token(T) * tokens_per_step
+    peak = peak_flops(device)
+    out_dir, ckpt_path = Path(cfg.out_dir), Path(cfg.out_dir) / "ckpt.pt"
+    if is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        start_log(out_dir, step if ckpt is not None else None)
+        n_params = raw_model.get_num_params()
+        print(f"{model_config.attn}: {n_params / 1e6:.1f}M parameters, "
+              f"{raw_model.kv_cache_elements_per_token()} KV cache elements per token per layer | "
+              f"{world_size} x {device.type}, {dtype}, compile {compile} | "
+              f"{cfg.batch_size} x {T} = {tokens_per_step:,} tokens a step in {accum_steps} micro step(s) of "
+              f"{micro_batch} per process | steps {step} -> {last_step} of {cfg.max_steps}", flush=True)
+        if device.type == "cpu" and n_params > 100e6:
+            print(f"warning: a {n_params / 1e6:.0f}M-parameter model on a CPU takes minutes a step; "
+                  "config/demo.py is the preset for CPUs", file=sys.stderr)
+
+    # timings average over each log interval; on CUDA the first one includes torch.compile's compiling
+    t0, timed_steps = time.perf_counter(), 0
+    while step < last_step:
+        lr_mult = lr_multiplier(step, cfg)
+        for opt in optimizers:
+            for group in opt.param_groups:
+                group["lr"] = group["initial_lr"] * lr_mult
+        x, y = batches.get(cfg.seed, step, cfg.batch_size, rank, world_size)
+        loss = torch.zeros((), device=device)
+        for i in range(accum_steps):
+            micro = slice(i * micro_batch, (i + 1) * micro_batch)
+            # DDP averages the gradients over processes in the backward of the last micro step only
+            with train_model.no_sync() if ddp and i < accum_steps - 1 else nullcontext():
+                with autocast:
+                    _, micro_loss = train_model(x[micro].to(device), y[micro].to(device))
+                (micro_loss / accum_steps).backward()
+            loss += micro_loss.detach() / accum_steps
+        if ddp:
+            dist.all_reduce(loss)
+            loss /= world_size
+        loss = loss.item()  # the same on every rank, so all of them stop together
+        if not math.isfinite(loss):
+            if is_main:
+                print(f"train.py: step {step + 1}: the loss is {loss}; stopping, {ckpt_path} left as it was",
+                      file=sys.stderr)
+            return 1
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        step += 1
+        timed_steps += 1
+
+        if is_main and (step % cfg.log_interval == 0 or step == last_step):
+            seconds = (time.perf_counter() - t0) / timed_steps
+            tokens_per_s = tokens_per_step / seconds
+            mfu = flops_per_step / seconds / (peak * world_size) if peak else None
+            lr = optimizers[0].param_groups[0]["lr"]
+            record = dict(step=step, loss=loss, lr=lr, ms_per_step=1000 * seconds, tokens_per_s=tokens_per_s, mfu=mfu)
+            log(out_dir, record,
+                f"step {step}/{cfg.max_steps} | loss {loss:.4f} | lr {lr:.2e} | {1000 * seconds:.1f} ms/step | "
+                f"{tokens_per_s:,.0f} tok/s" + (f" | MFU {100 * mfu:.1f}%" if mfu is not None else ""))
+            t0, timed_steps = time.perf_counter(), 0
+
+        if step % cfg.eval_interval == 0 or step == last_step:
+            val_loss, val_bpb = evaluate(model, val_tokens, bytes_per_token, T, micro_batch, autocast,
+                                         rank, world_size)
+            if not math.isfinite(val_loss):
+                if is_main:
+                    print(f"train.py: step {step}: the validation loss is {val_loss}; stopping, "
+                          f"{ckpt_path} left as it was", file=sys.stderr)
+                return 1
+            best = [math.inf if evals[k] is None else evals[k] for k in ("best_val_loss", "best_val_bpb")]
+            evals = dict(val_loss=val_loss, val_bpb=val_bpb,
+                         best_val_loss=min(val_loss, best[0]), best_val_bpb=min(val_bpb, best[1]))
+            if is_main:
+                log(out_dir, dict(step=step, val_loss=val_loss, val_bpb=val_bpb),
+                    f"step {step} | val loss {val_loss:.4f} | val bpb {val_bpb:.4f}")
+                save_checkpoint(ckpt_path, dict(
+                    model=raw_model.state_dict(),
+                    model_args=dataclasses.asdict(model_config),
+                    optimizers=[opt.state_dict() for opt in optimizers],
+                    step=step,
+                    **evals,
+                    config=dataclasses.asdict(cfg),
+                    tokenizer=meta,
+                    rng=dict(torch=torch.get_rng_state(),
+                             cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None),
+                ))
+            t0, timed_steps = time.perf_counter(), 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
