@@ -34,6 +34,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from model import ATTENTION_VARIANTS, GPT, GPTConfig
+from prepare_data import atomic_open
 from train import TrainConfig, configure_optimizers, peak_flops
 
 PRESETS = {
@@ -170,10 +171,8 @@ def bench_decode(config, preset, device, dtype):
 
 
 def save(result, path):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=1, allow_nan=False)
-    os.replace(tmp, path)
+    with atomic_open(path) as f:
+        f.write(json.dumps(result, indent=1, allow_nan=False).encode())
 
 
 def markdown(result):

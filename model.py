@@ -355,7 +355,7 @@ class GPT(nn.Module):
         logits = self.lm_head(norm(x)).float()
         if targets is None:
             return logits, None
-        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
 
     def new_caches(self, batch_size, max_len, dtype=torch.bfloat16, device=None):
         device = self.wte.weight.device if device is None else device

@@ -23,6 +23,7 @@ import sys
 import sysconfig
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -57,16 +58,23 @@ def read_shard(path):
                          f"{HEADER.size + 2 * count})")
     return np.memmap(path, dtype="<u2", mode="r", offset=HEADER.size, shape=(count,))
 
-def write_atomic(path, *parts):
-    # written under a temporary name and renamed, so a killed run never leaves a file that
-    # looks finished but is cut short
+@contextmanager
+def atomic_open(path):
+    """A binary file that appears at path only once it is whole: written under a temporary
+    name, synced and renamed, so a killed run never leaves a file that looks finished but is
+    cut short, and never destroys the previous version."""
+    path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        for part in parts:
-            f.write(part)
+        yield f
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+def write_atomic(path, *parts):
+    with atomic_open(path) as f:
+        for part in parts:
+            f.write(part)
 
 def write_shard(path, tokens):
     write_atomic(path, HEADER.pack(MAGIC, VERSION, len(tokens)), tokens.astype("<u2", copy=False))

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import GPT, GPTConfig
-from prepare_data import TOKENIZERS, load_meta, read_shard, shard_paths, token_bytes
+from prepare_data import TOKENIZERS, atomic_open, load_meta, read_shard, shard_paths, token_bytes
 
 
 @dataclass
@@ -308,14 +308,9 @@ def evaluate(model, val_tokens, bytes_per_token, block_size, batch_size, autocas
 
 
 def save_checkpoint(path, checkpoint):
-    """Write path atomically: into path.tmp, then a rename, so that a process killed while saving
-    leaves the previous checkpoint whole (fsync: and so does a power cut)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    """Write path atomically: a process killed while saving leaves the previous checkpoint whole."""
+    with atomic_open(path) as f:
         torch.save(checkpoint, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def load_resume_checkpoint(cfg, model_config):
