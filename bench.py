@@ -35,7 +35,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from model import ATTENTION_VARIANTS, GPT, GPTConfig
 from prepare_data import atomic_open
-from train import TrainConfig, configure_optimizers, peak_flops
+from train import TrainConfig, configure_optimizers, optimizer_step, peak_flops
 
 PRESETS = {
     # The paper's 128M model and batch: 16 x 2048 tokens a step. Decoding a batch of 16 makes
@@ -119,25 +119,22 @@ def bench_train(config, preset, device, compile):
     autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else nullcontext()
     B, T = preset["batch_size"], preset["seq_len"]
     x, y = torch.randint(config.vocab_size, (2, B, T), device=device)
-    steps, optimizer_steps = [], []
+    steps, optimizer_times = [], []
     for _ in range(preset["warmup"] + preset["steps"]):
         t0 = clock(device)
         with autocast:
             loss = forward(x, y)[1]
         loss.backward()
         t1 = clock(device)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        optimizer_step(model, optimizers, cfg)
         t2 = clock(device)
         steps.append(t2 - t0)
-        optimizer_steps.append(t2 - t1)
+        optimizer_times.append(t2 - t1)
     log(f"  warm-up (compile included) {sum(steps[:preset['warmup']]):.1f}s")
     ms = 1000 * statistics.median(steps[preset["warmup"]:])
     tokens_per_s = B * T * 1000 / ms
     peak = peak_flops(device)
-    return dict(ms_per_step=ms, optimizer_ms=1000 * statistics.median(optimizer_steps[preset["warmup"]:]),
+    return dict(ms_per_step=ms, optimizer_ms=1000 * statistics.median(optimizer_times[preset["warmup"]:]),
                 tokens_per_s=tokens_per_s, mfu=model.flops_per_token(T) * tokens_per_s / peak if peak else None,
                 max_memory_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None)
 

@@ -19,9 +19,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-ATTENTION_VARIANTS = ("mha", "mqa", "gqa", "mla", "lrkv")
-
-
 @dataclass
 class GPTConfig:
     block_size: int = 2048
@@ -280,11 +277,12 @@ class MultiHeadLatentAttention(Attention):
 
 ATTENTION = {
     "mha": lambda config: GroupedQueryAttention(config, n_kv_head=config.n_head),
-    "gqa": lambda config: GroupedQueryAttention(config, n_kv_head=config.n_kv_head),
     "mqa": lambda config: GroupedQueryAttention(config, n_kv_head=1),
+    "gqa": lambda config: GroupedQueryAttention(config, n_kv_head=config.n_kv_head),
     "mla": MultiHeadLatentAttention,
     "lrkv": LowRankKVAttention,
 }
+ATTENTION_VARIANTS = tuple(ATTENTION)
 
 
 class MLP(nn.Module):

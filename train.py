@@ -266,6 +266,15 @@ def lr_multiplier(step, cfg):
     return 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def optimizer_step(model, optimizers, cfg):
+    """Clip the global gradient norm, step every optimizer and clear the gradients."""
+    if cfg.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    for opt in optimizers:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
 # Dense bf16 peak FLOP/s of one GPU, matched in this order against torch.cuda.get_device_name
 PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
 
@@ -461,11 +470,7 @@ def train(model_config, cfg, data, device, ckpt, micro_batch, rank, world_size):
                 print(f"train.py: step {step + 1}: the loss is {loss}; stopping, {ckpt_path} left as it was",
                       file=sys.stderr)
             return 1
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip)
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        optimizer_step(raw_model, optimizers, cfg)
         step += 1
         timed_steps += 1
 
