@@ -52,8 +52,8 @@ class GPTConfig:
         if self.attn == "mla":
             if self.kv_lora_rank < 1:
                 bad("kv_lora_rank", "a positive integer")
-            if not (2 <= self.rope_head_dim < self.head_dim and self.rope_head_dim % 2 == 0):
-                bad("rope_head_dim", f"even, at least 2 and below head_dim = {self.head_dim}")
+            if not (2 <= self.rope_head_dim <= self.head_dim and self.rope_head_dim % 2 == 0):
+                bad("rope_head_dim", f"even, from 2 to head_dim = {self.head_dim}")
         if self.attn == "lrkv" and not 1 <= self.lrkv_rank <= self.head_dim:
             bad("lrkv_rank", f"between 1 and head_dim = {self.head_dim}")
 
@@ -102,25 +102,25 @@ class KVCache(nn.Module):
 
 # SDPA backends on a GPU. Flash attention needs fp16/bf16, the same head dim (<= 256) for q, k
 # and v, and no explicit mask (is_causal is fine); it takes enable_gqa, so MQA/GQA never copy
-# K/V per head. Every variant below trains with q, k, v of width head_dim, so all five are
-# flash-eligible: MLA splits the head into head_dim - d_R "nope" dims plus d_R RoPE dims
-# (rather than DeepSeek's 128 + 64 = 192 wide q/k) precisely to keep q/k as wide as v.
+# K/V per head. Every variant below trains flash-eligible: MLA's q/k heads are d_h + d_R wide
+# (DeepSeek-V2's 128 + 64) and its values d_h, so it zero-pads v to the q/k width.
 # Decoding a chunk after a prefix needs an explicit mask (memory-efficient or math backend),
 # and the absorbed value forms (v wider than q/k) are likewise not flash-eligible.
 class Attention(nn.Module):
     """What all variants share: H full-rank query heads W_q, the output W_o, and attention itself.
     Subclasses define the key/value side: forward, cache_shapes and head_qk_weights."""
 
-    def __init__(self, config):
+    def __init__(self, config, qk_dim=None):
         super().__init__()
         self.n_head, self.head_dim = config.n_head, config.head_dim
+        self.qk_dim = qk_dim or config.head_dim  # width of each query and key head; values are head_dim wide
         self.rope_dim = config.head_dim  # dims of each q/k head that RoPE rotates
-        self.W_q = nn.Linear(config.n_embd, config.n_head * config.head_dim, bias=False)
+        self.W_q = nn.Linear(config.n_embd, config.n_head * self.qk_dim, bias=False)
         self.W_o = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=False)
 
     def queries(self, x, rope):
         B, T, _ = x.shape
-        return apply_rope(norm(self.W_q(x).view(B, T, self.n_head, self.head_dim)), rope)
+        return apply_rope(norm(self.W_q(x).view(B, T, self.n_head, self.qk_dim)), rope)
 
     def attend(self, q, k, v):
         """softmax(q k^T / sqrt(d)) v for q (B, T, H, d) against k, v (B, S, H or G, d): the T
@@ -139,8 +139,8 @@ class Attention(nn.Module):
         return self.W_o(y.flatten(2))
 
     def query_weights(self):
-        """(H, d, d_h): head h's query is x @ Wq[h] (before norm and RoPE)."""
-        return self.W_q.weight.view(self.n_head, self.head_dim, -1).transpose(1, 2)
+        """(H, d, d_qk): head h's query is x @ Wq[h] (before norm and RoPE)."""
+        return self.W_q.weight.view(self.n_head, self.qk_dim, -1).transpose(1, 2)
 
 
 class GroupedQueryAttention(Attention):
@@ -230,46 +230,46 @@ class LowRankKVAttention(Attention):
 class MultiHeadLatentAttention(Attention):
     """MLA as DeepSeek-V2: keys and values come up from a normalised latent c = norm(x W_down)
     of width d_c, per head, through W_up; one decoupled RoPE key k_R = x W_kr of width d_R,
-    shared by all heads, carries position. Each q/k head is [d_h - d_R nope dims | d_R RoPE
-    dims]. Cache per token: d_c + d_R."""
+    shared by all heads, carries position. Each q/k head is [d_h position-free dims | d_R RoPE
+    dims], d_h + d_R wide; values are d_h wide. Cache per token: d_c + d_R."""
 
     def __init__(self, config):
-        super().__init__(config)
+        super().__init__(config, qk_dim=config.head_dim + config.rope_head_dim)
         d, H, d_h = config.n_embd, config.n_head, config.head_dim
-        self.kv_lora_rank, self.rope_head_dim = config.kv_lora_rank, config.rope_head_dim
-        self.nope_dim = d_h - config.rope_head_dim
-        self.rope_dim = config.rope_head_dim
+        self.kv_lora_rank, self.rope_dim = config.kv_lora_rank, config.rope_head_dim
         self.W_down = nn.Linear(d, self.kv_lora_rank, bias=False)
-        self.W_up_k = nn.Linear(self.kv_lora_rank, H * self.nope_dim, bias=False)
+        self.W_up_k = nn.Linear(self.kv_lora_rank, H * d_h, bias=False)
         self.W_up_v = nn.Linear(self.kv_lora_rank, H * d_h, bias=False)
-        self.W_kr = nn.Linear(d, self.rope_head_dim, bias=False)
+        self.W_kr = nn.Linear(d, self.rope_dim, bias=False)
 
     def cache_shapes(self):
-        return {"c": (self.kv_lora_rank,), "k_rope": (1, self.rope_head_dim)}
+        return {"c": (self.kv_lora_rank,), "k_rope": (1, self.rope_dim)}
 
     def forward(self, x, rope, cache=None):
         B, T, _ = x.shape
-        q = self.queries(x, rope)
+        q = self.queries(x, rope)  # (B, T, H, d_h + d_R)
         c = norm(self.W_down(x))
-        k_rope = apply_rope(self.W_kr(x).unsqueeze(2), rope)
+        k_rope = apply_rope(self.W_kr(x).unsqueeze(2), rope)  # (B, T, 1, d_R)
         if cache is not None:
             c, k_rope = cache.update(c=c, k_rope=k_rope)
         S = c.size(1)
-        k_nope = self.W_up_k(c).view(B, S, self.n_head, self.nope_dim)
+        k_nope = self.W_up_k(c).view(B, S, self.n_head, self.head_dim)
         # Rotating part of a vector leaves its RMS unchanged, so norm-after-rotate equals the
         # queries' rotate-after-norm. The norm couples k_R with each head's k_nope, which is
         # why W_up^K cannot be absorbed into the query and keys are rebuilt when decoding.
-        k = norm(torch.cat((k_nope, k_rope.expand(B, S, self.n_head, self.rope_head_dim)), dim=-1))
+        k = norm(torch.cat((k_nope, k_rope.expand(B, S, self.n_head, self.rope_dim)), dim=-1))  # (B, S, H, d_h + d_R)
         if cache is None:
-            v = self.W_up_v(c).view(B, S, self.n_head, self.head_dim)
-            return self.project_out(self.attend(q, k, v))
+            # Flash attention wants v as wide as q and k: zero-pad v by d_R and drop the padded
+            # (all-zero) output dims, d_R / d_h more work in a v than an unpadded kernel would do.
+            v = F.pad(self.W_up_v(c).view(B, S, self.n_head, self.head_dim), (0, self.rope_dim))
+            return self.project_out(self.attend(q, k, v)[..., :self.head_dim])
         # decoding: a_h V_h = (a_h c) W_up,h^V exactly, so attend over the latent itself
         y = self.attend(q, k, c.unsqueeze(2).expand(B, S, self.n_head, self.kv_lora_rank))
         W_up_v = self.W_up_v.weight.view(self.n_head, self.head_dim, self.kv_lora_rank)
         return self.project_out(torch.einsum("bthc,hdc->bthd", y, W_up_v))
 
     def head_qk_weights(self):
-        W_up_k = self.W_up_k.weight.view(self.n_head, self.nope_dim, self.kv_lora_rank)
+        W_up_k = self.W_up_k.weight.view(self.n_head, self.head_dim, self.kv_lora_rank)
         Wk_nope = torch.einsum("cx,hnc->hxn", self.W_down.weight, W_up_k)
         Wk_rope = self.W_kr.weight.t().expand(self.n_head, -1, -1)
         return self.query_weights(), torch.cat((Wk_nope, Wk_rope), dim=-1)
@@ -374,11 +374,12 @@ class GPT(nn.Module):
     def flops_per_token(self, seq_len=None):
         """Training FLOPs per token, forward and backward: 6 per weight of every matmul (each
         variant's own projections; the embedding is a lookup, not a matmul) plus 6 per
-        multiply-add of q k^T and a v over seq_len keys (no discount for the causal mask,
-        the usual convention for MFU)."""
+        multiply-add of q k^T (d_qk wide) and a v (d_h wide) over seq_len keys (no discount for
+        the causal mask, the usual convention for MFU)."""
         T = seq_len or self.config.block_size
         matmul_params = self.get_num_params() - self.wte.weight.numel()
-        attention = 6 * self.config.n_layer * self.config.n_head * 2 * self.config.head_dim * T
+        attn = self.blocks[0].attn
+        attention = 6 * self.config.n_layer * self.config.n_head * (attn.qk_dim + attn.head_dim) * T
         return 6 * matmul_params + attention
 
     @torch.no_grad()

@@ -47,7 +47,8 @@ def naive_attention(attn, x, config):
     lin = lambda t, layer: t @ layer.weight.double().t()
     positions = torch.arange(T, dtype=torch.float64)
     rot_dim = config.rope_head_dim if config.attn == "mla" else d_h
-    Wq = attn.W_q.weight.double().view(H, d_h, -1)
+    qk_dim = d_h + config.rope_head_dim if config.attn == "mla" else d_h
+    Wq = attn.W_q.weight.double().view(H, qk_dim, -1)
     if config.attn in ("mha", "gqa", "mqa"):
         G = {"mha": H, "gqa": config.n_kv_head, "mqa": 1}[config.attn]
         keys = [lin(x, attn.W_k).view(1, T, G, d_h)[0, :, h * G // H] for h in range(H)]
@@ -61,9 +62,8 @@ def naive_attention(attn, x, config):
         keys = [x[0] @ W_k[h].t() for h in range(H)]
         values = [x[0] @ W_v[h].t() for h in range(H)]
     else:
-        nope = d_h - config.rope_head_dim
         c = rms(lin(x, attn.W_down))[0]
-        k_nope = lin(c, attn.W_up_k).view(T, H, nope)
+        k_nope = lin(c, attn.W_up_k).view(T, H, d_h)
         v_all = lin(c, attn.W_up_v).view(T, H, d_h)
         k_rope = lin(x[0], attn.W_kr)
         keys = [torch.cat((k_nope[:, h], k_rope), -1) for h in range(H)]
@@ -72,7 +72,7 @@ def naive_attention(attn, x, config):
     for h in range(H):
         q = naive_rope(rms(x[0] @ Wq[h].t()), positions, rot_dim, config.rope_theta)
         k = naive_rope(rms(keys[h]), positions, rot_dim, config.rope_theta)
-        scores = q @ k.t() / math.sqrt(d_h)
+        scores = q @ k.t() / math.sqrt(qk_dim)
         scores = scores.masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))
         heads.append(torch.softmax(scores, -1) @ values[h])
     return torch.cat(heads, -1) @ attn.W_o.weight.double().t()
@@ -237,15 +237,15 @@ def test_head_qk_weights_match_each_variants_projections(attn):
     layer, c = model.blocks[1].attn, model.config
     x = torch.randn(5, c.n_embd)
     Wq, Wk = model.head_qk_weights()[1]
-    assert Wq.shape == Wk.shape == (c.n_head, c.n_embd, c.head_dim)
+    assert Wq.shape == Wk.shape == (c.n_head, c.n_embd, layer.qk_dim)
     H, d_h = c.n_head, c.head_dim
-    q = layer.W_q(x).view(5, H, d_h)
+    q = layer.W_q(x).view(5, H, layer.qk_dim)
     if attn in ("mha", "gqa", "mqa"):
         k = layer.W_k(x).view(5, layer.n_kv_head, d_h).repeat_interleave(H // layer.n_kv_head, dim=1)
     elif attn == "lrkv":
         k = layer.W_shared_k(x)[:, None] + layer.residual(layer.U_k(x).view(1, 5, H, c.lrkv_rank), layer.B_k)[0]
     else:  # the latent norm taken as identity
-        k_nope = layer.W_up_k(layer.W_down(x)).view(5, H, layer.nope_dim)
+        k_nope = layer.W_up_k(layer.W_down(x)).view(5, H, d_h)
         k = torch.cat((k_nope, layer.W_kr(x)[:, None].expand(5, H, c.rope_head_dim)), dim=-1)
     for h in range(H):
         torch.testing.assert_close(x @ Wq[h], q[:, h], atol=1e-5, rtol=1e-5)
@@ -258,7 +258,7 @@ def test_head_qk_weights_match_each_variants_projections(attn):
     (dict(attn="gqa", n_kv_head=0), "n_kv_head"),
     (dict(attn="lrkv", lrkv_rank=0), "lrkv_rank"),
     (dict(attn="lrkv", lrkv_rank=129), "lrkv_rank"),
-    (dict(attn="mla", rope_head_dim=128), "rope_head_dim"),
+    (dict(attn="mla", rope_head_dim=130), "rope_head_dim"),
     (dict(attn="mla", rope_head_dim=63), "rope_head_dim"),
     (dict(attn="mla", kv_lora_rank=0), "kv_lora_rank"),
     (dict(n_embd=770), "n_embd"),
