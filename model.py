@@ -293,18 +293,42 @@ class MultiHeadLatentAttention(Attention):
         if cache is not None:
             c, k_rope = cache.update(c=c, k_rope=k_rope)
         S = c.size(1)
-        k_nope = self.W_up_k(c).view(B, S, self.n_head, self.nope_dim)
-        # Rotating part of a vector leaves its RMS unchanged, so norm-after-rotate equals the
-        # queries' rotate-after-norm. The norm couples k_R with each head's k_nope, which is
-        # why W_up^K cannot be absorbed into the query and keys are rebuilt when decoding.
-        k = norm(torch.cat((k_nope, k_rope.expand(B, S, self.n_head, self.rope_head_dim)), dim=-1))
-        if cache is None:
-            v = self.W_up_v(c).view(B, S, self.n_head, self.head_dim)
-            return self.project_out(self.attend(q, k, v))
-        # decoding: a_h V_h = (a_h c) W_up,h^V exactly, so attend over the latent itself
-        y = self.attend(q, k, c.unsqueeze(2).expand(B, S, self.n_head, self.kv_lora_rank))
+        if cache is not None and T == 1:
+            y = self.decode_step(q, c, k_rope)
+        else:
+            k_nope = self.W_up_k(c).view(B, S, self.n_head, self.nope_dim)
+            # Rotating part of a vector leaves its RMS unchanged, so norm-after-rotate equals the
+            # queries' rotate-after-norm. The norm couples k_R with each head's k_nope, which is
+            # why W_up^K cannot simply be absorbed into the query (but see decode_step).
+            k = norm(torch.cat((k_nope, k_rope.expand(B, S, self.n_head, self.rope_head_dim)), dim=-1))
+            if cache is None:
+                v = self.W_up_v(c).view(B, S, self.n_head, self.head_dim)
+                return self.project_out(self.attend(q, k, v))
+            # decoding: a_h V_h = (a_h c) W_up,h^V exactly, so attend over the latent itself
+            y = self.attend(q, k, c.unsqueeze(2).expand(B, S, self.n_head, self.kv_lora_rank))
         W_up_v = self.W_up_v.weight.view(self.n_head, self.head_dim, self.kv_lora_rank)
         return self.project_out(torch.einsum("bthc,hdc->bthd", y, W_up_v))
+
+    def decode_step(self, q, c, k_rope):
+        """One new token's attention over all S cached positions, exact, without building the
+        keys. Head h's key at s is [c_s W_up,h^K | k_R,s] / rho_{h,s}, rho the RMS of that
+        concatenation, so for the normalised, rotated query q_h = [q_h^nope | q_h^R]
+
+            score_{h,s} = [ (q_h^nope (W_up,h^K)^T) . c_s + q_h^R . k_R,s ] / rho_{h,s}
+
+        The first term is absorbed into the latent, as DeepSeek-V2 absorbs it. rho still needs
+        |c_s W_up,h^K|, one GEMM over the cache, but neither the concatenated keys nor their
+        normalised copy are built. Returns a_h c: (B, 1, H, d_c)."""
+        H, nope = self.n_head, self.nope_dim
+        B, S = c.shape[:2]
+        q_nope, q_rope = q[:, 0].split((nope, self.rope_head_dim), dim=-1)  # (B, H, nope), (B, H, d_R)
+        k_nope_sq = self.W_up_k(c).view(B, S, H, nope).float().pow(2).sum(-1)  # (B, S, H)
+        rho = ((k_nope_sq + k_rope.float().pow(2).sum(-1)) / self.head_dim + torch.finfo(c.dtype).eps).sqrt()
+        q_latent = torch.einsum("bhn,hnc->bhc", q_nope, self.W_up_k.weight.view(H, nope, self.kv_lora_rank))
+        scores = q_latent @ c.transpose(1, 2) + q_rope @ k_rope[:, :, 0].transpose(1, 2)  # (B, H, S)
+        scores = scores / (rho.transpose(1, 2).to(q.dtype) * math.sqrt(self.head_dim))
+        a = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # (B, H, S)
+        return (a @ c).unsqueeze(1)
 
     def head_qk_weights(self):
         W_up_k = self.W_up_k.weight.view(self.n_head, self.nope_dim, self.kv_lora_rank)

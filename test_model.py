@@ -165,9 +165,26 @@ def test_cached_decoding_equals_full_forward(attn):
     assert (torch.cat(pieces, dim=1) - full).abs().max() < 1e-4
 
 
-def test_lrkv_single_token_steps_match_the_rebuild_without_building_cached_keys(monkeypatch):
-    """LRKV's single-token step (decode_step) against the rebuild that a chunk after a prefix
-    takes, over 64 positions: the same logits, and no per-head key built but the new token's."""
+@pytest.mark.parametrize("attn", ATTENTION_VARIANTS)
+def test_single_token_steps_match_a_chunk_over_64_positions(attn):
+    """Single-token steps (LRKV's and MLA's decode_step) against one chunk after the same prefix,
+    which rebuilds the keys, and against the full forward, over 64 positions."""
+    model = tiny_model(attn, block_size=64)
+    idx = torch.randint(0, TINY.vocab_size, (2, 64))
+    with torch.no_grad():
+        full = model(idx)[0]
+        caches = model.new_caches(2, 64, dtype=torch.float32)
+        model(idx[:, :8], caches=caches)
+        chunk = model(idx[:, 8:], caches=caches)[0]
+        caches = model.new_caches(2, 64, dtype=torch.float32)
+        model(idx[:, :8], caches=caches)
+        stepped = torch.cat([model(idx[:, t:t + 1], caches=caches)[0] for t in range(8, 64)], dim=1)
+    assert (stepped - chunk).abs().max() < 1e-4
+    assert (stepped - full[:, 8:]).abs().max() < 1e-4
+
+
+def test_lrkv_single_token_steps_build_no_cached_key(monkeypatch):
+    """A single-token step builds its own token's per-head keys (for their RMS) and no other."""
     model = tiny_model("lrkv", block_size=64)
     key_positions = []
 
@@ -184,17 +201,12 @@ def test_lrkv_single_token_steps_match_the_rebuild_without_building_cached_keys(
         monkeypatch.setattr(block.attn, "residual", spy(block.attn))
     idx = torch.randint(0, TINY.vocab_size, (2, 64))
     with torch.no_grad():
-        full = model(idx)[0]
-        caches = model.new_caches(2, 64, dtype=torch.float32)
-        model(idx[:, :8], caches=caches)
-        rebuilt = model(idx[:, 8:], caches=caches)[0]
         caches = model.new_caches(2, 64, dtype=torch.float32)
         model(idx[:, :8], caches=caches)
         key_positions.clear()
-        stepped = torch.cat([model(idx[:, t:t + 1], caches=caches)[0] for t in range(8, 64)], dim=1)
+        for t in range(8, 64):
+            model(idx[:, t:t + 1], caches=caches)
     assert key_positions == [1] * 56 * TINY.n_layer
-    assert (stepped - rebuilt).abs().max() < 1e-4
-    assert (stepped - full[:, 8:]).abs().max() < 1e-4
 
 
 @pytest.mark.parametrize("attn", ATTENTION_VARIANTS)
