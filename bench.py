@@ -6,11 +6,12 @@ autocast and torch.compile), timed after warm-up, median of several steps: ms, t
 the time relative to MHA.
 
 Decoding: prefill a prompt, then feed one token at a time until the KV cache, sized to the
-context length, is full: ms per new token (median), tokens/s, the MiB its buffers hold and their
-share of MHA's. At the shortest context, generate() with and without the cache shows what the
-cache buys. Decoding runs in bf16 on a GPU, weights and cache alike, as a server would hold them
-(autocast would re-cast every weight at every token), and in fp32 on a CPU. It is not compiled:
-the caches grow by one position a step, so on a GPU every step also pays its kernel launches.
+context length, is full: ms per new token, timed step by step (median) and back to back (see
+bench_decode), tokens/s, the MiB its buffers hold and their share of MHA's. At the shortest
+context, generate() with and without the cache shows what the cache buys. Decoding runs in bf16
+on a GPU, weights and cache alike, as a server would hold them (autocast would re-cast every
+weight at every token), and in fp32 on a CPU. It is not compiled: the caches grow by one
+position a step, so on a GPU every step also pays its kernel launches.
 
     python bench.py --preset=cpu
     python bench.py --preset=128m --device=cuda --check --out=bench_gpu.json
@@ -141,6 +142,10 @@ def bench_train(config, preset, device, compile):
 
 @torch.inference_mode()
 def bench_decode(config, preset, device, dtype):
+    """Per context: the n steps that fill the cache, timed twice over the same positions. Each step
+    on its own (the device drained before and after it; median): the latency of one token. Back
+    to back with one drain at the end (mean), as generate() runs them: there the host queues the
+    next step while the device runs this one, so on a GPU launch overhead hides behind work."""
     model = inference_model(config, device, dtype)
     B, n = preset["decode_batch"], preset["new_tokens"]
     rows = []
@@ -148,23 +153,36 @@ def bench_decode(config, preset, device, dtype):
         caches = model.new_caches(B, L, dtype)
         prompt = torch.randint(config.vocab_size, (B, L - DECODE_WARMUP - n), device=device)
         token = model(prompt, caches=caches)[0][:, -1:].argmax(-1)
-        times = []
-        for _ in range(DECODE_WARMUP + n):
+        for _ in range(DECODE_WARMUP):
+            token = model(token, caches=caches)[0].argmax(-1)
+        start, times = caches[0].pos, []
+        for _ in range(n):
             t0 = clock(device)
             token = model(token, caches=caches)[0].argmax(-1)
             times.append(clock(device) - t0)
-        ms = 1000 * statistics.median(times[DECODE_WARMUP:])
-        mib = sum(buf.nbytes for cache in caches for buf in cache.buffers()) / MIB
-        rows.append(dict(context=L, ms_per_token=ms, tokens_per_s=B * 1000 / ms, cache_mib=mib))
-    # generate() prefills and samples as a user would; per new token, prefill included
-    prompt = torch.randint(config.vocab_size, (B, preset["contexts"][0] - n), device=device)
-    ms = {}
-    for use_cache in (True, False):
+        for cache in caches:
+            cache.pos = start  # overwrite the same n positions
         t0 = clock(device)
-        model.generate(prompt, n, temperature=0, use_cache=use_cache)
-        ms[use_cache] = 1000 * (clock(device) - t0) / n
-    return rows, dict(context=preset["contexts"][0], new_tokens=n, cached_ms_per_token=ms[True],
-                      uncached_ms_per_token=ms[False], speedup=ms[False] / ms[True])
+        for _ in range(n):
+            token = model(token, caches=caches)[0].argmax(-1)
+        back_to_back = 1000 * (clock(device) - t0) / n
+        ms = 1000 * statistics.median(times)
+        mib = sum(buf.nbytes for cache in caches for buf in cache.buffers()) / MIB
+        rows.append(dict(context=L, ms_per_token=ms, tokens_per_s=B * 1000 / ms, back_to_back_ms_per_token=back_to_back,
+                         cache_mib=mib))
+    # generate() prefills and samples as a user would: per new token, prefill included, and (from
+    # the difference with a 1-token call) per step alone, at the same batch and context as the
+    # first row's back-to-back steps
+    prompt = torch.randint(config.vocab_size, (B, preset["contexts"][0] - n), device=device)
+    seconds = {}
+    for use_cache, new in ((True, 1), (True, n), (False, n)):
+        t0 = clock(device)
+        model.generate(prompt, new, temperature=0, use_cache=use_cache)
+        seconds[use_cache, new] = clock(device) - t0
+    cached, uncached = 1000 * seconds[True, n] / n, 1000 * seconds[False, n] / n
+    step = 1000 * (seconds[True, n] - seconds[True, 1]) / (n - 1)
+    return rows, dict(context=preset["contexts"][0], new_tokens=n, cached_ms_per_token=cached, cached_ms_per_step=step,
+                      uncached_ms_per_token=uncached, speedup=uncached / cached)
 
 
 def save(result, path):
@@ -174,31 +192,36 @@ def save(result, path):
 
 def markdown(result):
     variants, tr, de, c = result["variants"], result["train"], result["decode"], result["config"]
-    lines = [f"bench.py --preset={result['preset']}: {result['device']}, torch {result['torch']}, {result['date']}", "",
-             f"Training: {tr['batch_size']} x {tr['seq_len']} tokens a step, {tr['dtype']}, "
-             f"{'compiled' if tr['compile'] else 'eager'}, median of {tr['steps']} steps after {tr['warmup']}", "",
-             "| variant | ms/step | of which optimizer | tokens/s | MFU | x MHA |", "|---|---:|---:|---:|---:|---:|"]
-    for name, v in variants.items():
-        t = v["train"]
-        mfu = "-" if t["mfu"] is None else f"{100 * t['mfu']:.1f}%"
-        lines.append(f"| {name} | {t['ms_per_step']:.1f} | {t['optimizer_ms']:.1f} | {t['tokens_per_s']:,.0f} | "
-                     f"{mfu} | {t['x_mha']:.2f} |")
-    lines += ["", f"Decoding: batch {de['batch_size']}, {de['dtype']}, median of {de['new_tokens']} new tokens "
-                  "that fill the cache up to the context", "",
-              "| variant | context | ms/token | tokens/s | cache MiB | % of MHA cache | x MHA time |",
-              "|---|---:|---:|---:|---:|---:|---:|"]
-    for name, v in variants.items():
-        for d in v["decode"]:
-            lines.append(f"| {name} | {d['context']} | {d['ms_per_token']:.2f} | {d['tokens_per_s']:,.0f} | "
-                         f"{d['cache_mib']:.1f} | {d['cache_pct_mha']:.1f} | {d['x_mha']:.2f} |")
-    lines += ["", f"LRKV's cache is {variants['lrkv']['decode'][0]['cache_pct_mha']:.2f}% of MHA's; "
-                  f"1/H + r/d_h = {100 * (1 / c['n_head'] + c['lrkv_rank'] / c['head_dim']):.2f}%", "",
-              f"generate() with and without the cache: batch {de['batch_size']}, {de['new_tokens']} new tokens after "
-              f"{de['contexts'][0] - de['new_tokens']}, ms per new token, prefill included", "",
-              "| variant | cached | uncached | cache speedup |", "|---|---:|---:|---:|"]
-    for name, v in variants.items():
-        u = v["uncached"]
-        lines.append(f"| {name} | {u['cached_ms_per_token']:.2f} | {u['uncached_ms_per_token']:.2f} | {u['speedup']:.1f}x |")
+    lines = [f"bench.py --preset={result['preset']}: {result['device']}, torch {result['torch']}, {result['date']}"]
+    if "train" in variants["mha"]:
+        lines += ["", f"Training: {tr['batch_size']} x {tr['seq_len']} tokens a step, {tr['dtype']}, "
+                      f"{'compiled' if tr['compile'] else 'eager'}, median of {tr['steps']} steps after {tr['warmup']}", "",
+                  "| variant | ms/step | of which optimizer | tokens/s | MFU | x MHA |", "|---|---:|---:|---:|---:|---:|"]
+        for name, v in variants.items():
+            t = v["train"]
+            mfu = "-" if t["mfu"] is None else f"{100 * t['mfu']:.1f}%"
+            lines.append(f"| {name} | {t['ms_per_step']:.1f} | {t['optimizer_ms']:.1f} | {t['tokens_per_s']:,.0f} | "
+                         f"{mfu} | {t['x_mha']:.2f} |")
+    if "decode" in variants["mha"]:
+        lines += ["", f"Decoding: batch {de['batch_size']}, {de['dtype']}, the {de['new_tokens']} new tokens that fill the "
+                      "cache up to the context; ms/token: each step alone, median; back to back: the same steps, one sync", "",
+                  "| variant | context | ms/token | tokens/s | ms/token back to back | cache MiB | % of MHA cache | x MHA time |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for name, v in variants.items():
+            for d in v["decode"]:
+                lines.append(f"| {name} | {d['context']} | {d['ms_per_token']:.2f} | {d['tokens_per_s']:,.0f} | "
+                             f"{d['back_to_back_ms_per_token']:.2f} | {d['cache_mib']:.1f} | {d['cache_pct_mha']:.1f} | "
+                             f"{d['x_mha']:.2f} |")
+        lines += ["", f"LRKV's cache is {variants['lrkv']['decode'][0]['cache_pct_mha']:.2f}% of MHA's; 1/H + r/d_h "
+                      f"+ 1/(2 d_h) (the paper's, plus each head's key RMS) = "
+                      f"{100 * (1 / c['n_head'] + c['lrkv_rank'] / c['head_dim'] + 1 / (2 * c['head_dim'])):.2f}%",
+                  "", f"generate() with and without the cache: batch {de['batch_size']}, {de['new_tokens']} new tokens "
+                      f"after {de['contexts'][0] - de['new_tokens']}, ms per new token, prefill included, and per step alone", "",
+                  "| variant | cached | cached, per step | uncached | cache speedup |", "|---|---:|---:|---:|---:|"]
+        for name, v in variants.items():
+            u = v["uncached"]
+            lines.append(f"| {name} | {u['cached_ms_per_token']:.2f} | {u['cached_ms_per_step']:.2f} | "
+                         f"{u['uncached_ms_per_token']:.2f} | {u['speedup']:.1f}x |")
     if "check" in variants["mha"]:
         lines += ["", "| variant | flash attention, forward and backward | cached vs full logits, rel. error |",
                   "|---|---|---|"]
@@ -216,6 +239,7 @@ def main():
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.compile the training step (default: on CUDA)")
     parser.add_argument("--check", action="store_true", help="also check flash attention and cached decoding")
+    parser.add_argument("--only", choices=("train", "decode"), help="measure training or decoding alone (default: both)")
     parser.add_argument("--out", default="out/bench.json")
     args = parser.parse_args()
     preset, device = PRESETS[args.preset], torch.device(args.device)
@@ -240,22 +264,25 @@ def main():
             row["check"] = check(config, preset, device, dtype)
             ch = row["check"]
             log(f"{attn}: flash attention {ch['flash_error'] or 'ok'}; cached vs full logits {ch['decode_rel_err']:.1e}")
-        log(f"{attn}: training")
-        row["train"] = bench_train(config, preset, device, compile)
-        row["train"]["x_mha"] = row["train"]["ms_per_step"] / result["variants"]["mha"]["train"]["ms_per_step"]
-        t = row["train"]
-        log(f"{attn}: {t['ms_per_step']:.1f} ms/step ({t['optimizer_ms']:.1f} optimizer), {t['tokens_per_s']:,.0f} tokens/s"
-            + (f", MFU {100 * t['mfu']:.1f}%, {t['max_memory_gib']:.1f} GiB" if t["mfu"] is not None else ""))
-        if compile:
-            torch._dynamo.reset()  # five models' graphs in one process would exhaust dynamo's caches
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        row["decode"], row["uncached"] = bench_decode(config, preset, device, dtype)
-        for d, m in zip(row["decode"], result["variants"]["mha"]["decode"]):
-            d["cache_pct_mha"] = 100 * d["cache_mib"] / m["cache_mib"]
-            d["x_mha"] = d["ms_per_token"] / m["ms_per_token"]
-        log(f"{attn}: decoding " + ", ".join(f"{d['ms_per_token']:.2f} ms/token at {d['context']}" for d in row["decode"])
-            + f"; without the cache {row['uncached']['speedup']:.1f}x the time")
+        if args.only != "decode":
+            log(f"{attn}: training")
+            row["train"] = bench_train(config, preset, device, compile)
+            row["train"]["x_mha"] = row["train"]["ms_per_step"] / result["variants"]["mha"]["train"]["ms_per_step"]
+            t = row["train"]
+            log(f"{attn}: {t['ms_per_step']:.1f} ms/step ({t['optimizer_ms']:.1f} optimizer), {t['tokens_per_s']:,.0f} tokens/s"
+                + (f", MFU {100 * t['mfu']:.1f}%, {t['max_memory_gib']:.1f} GiB" if t["mfu"] is not None else ""))
+            if compile:
+                torch._dynamo.reset()  # five models' graphs in one process would exhaust dynamo's caches
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if args.only != "train":
+            row["decode"], row["uncached"] = bench_decode(config, preset, device, dtype)
+            for d, m in zip(row["decode"], result["variants"]["mha"]["decode"]):
+                d["cache_pct_mha"] = 100 * d["cache_mib"] / m["cache_mib"]
+                d["x_mha"] = d["ms_per_token"] / m["ms_per_token"]
+            log(f"{attn}: decoding " + ", ".join(f"{d['ms_per_token']:.2f} ms/token ({d['back_to_back_ms_per_token']:.2f} "
+                                                 f"back to back) at {d['context']}" for d in row["decode"])
+                + f"; without the cache {row['uncached']['speedup']:.1f}x the time")
         save(result, args.out)
     print(markdown(result))
     log(f"wrote {args.out}")

@@ -7,9 +7,9 @@ Only the key/value side of attention changes between variants; every variant kee
 full-rank query heads W_q and the output projection W_o.
 
 Training runs one F.scaled_dot_product_attention call per layer over full per-head keys and
-values. Decoding keeps a KVCache per layer holding exactly what each variant must remember
-per token (Attention.cache_shapes), and rebuilds keys from it where RoPE and the QK norm
-leave no exact shortcut.
+values. Decoding keeps a KVCache per layer holding what each variant must remember per token
+(Attention.cache_shapes), and rebuilds keys from it where RoPE and the QK norm leave no exact
+shortcut: MLA's at every step, LRKV's only for several tokens at once (see decode_step).
 """
 
 import math
@@ -172,8 +172,10 @@ class GroupedQueryAttention(Attention):
 
 class LowRankKVAttention(Attention):
     """LRKV: W_h^K = W_shared^K + U_h^K (B_h^K)^T and W_h^V = W_shared^V + U_h^V (B_h^V)^T.
-    Cache per token: K_shared, V_shared (d_h each) and every head's R_h^K = x U_h^K and
-    R_h^V = x U_h^V (r each): 2 d_h + 2 H r. The B_h are weights, not cache."""
+    Cache per token: K_shared (rotated), V_shared (d_h each), every head's R_h^K = x U_h^K and
+    R_h^V = x U_h^V (r each), and every head's key RMS rho_h (one number each): 2 d_h + 2 H r + H.
+    The paper's cache is 2 d_h + 2 H r; the H rhos (+0.7% at 128M) spare a single-token step
+    from rebuilding any key (decode_step). The B_h are weights, not cache."""
 
     def __init__(self, config):
         super().__init__(config)
@@ -190,7 +192,7 @@ class LowRankKVAttention(Attention):
     def cache_shapes(self):
         return {
             "k_shared": (self.head_dim,), "v_shared": (self.head_dim,),
-            "r_k": (self.n_head, self.rank), "r_v": (self.n_head, self.rank),
+            "r_k": (self.n_head, self.rank), "r_v": (self.n_head, self.rank), "rho": (self.n_head,),
         }
 
     def residual(self, R, B):
@@ -203,22 +205,58 @@ class LowRankKVAttention(Attention):
         k_shared, v_shared = self.W_shared_k(x), self.W_shared_v(x)
         r_k = self.U_k(x).view(B, T, self.n_head, self.rank)
         r_v = self.U_v(x).view(B, T, self.n_head, self.rank)
-        if cache is not None:
-            k_shared, v_shared, r_k, r_v = cache.update(k_shared=k_shared, v_shared=v_shared, r_k=r_k, r_v=r_v)
-        # Keys are rebuilt in full, also when decoding: the QK norm and RoPE act on the whole
-        # K_h, so B_h^K cannot be folded into the query (the paper's eq. 6 holds without them).
-        k = apply_rope(norm(k_shared.unsqueeze(2) + self.residual(r_k, self.B_k)), rope)
+        k = k_shared.unsqueeze(2) + self.residual(r_k, self.B_k)  # (B, T, H, d_h): K_h before norm and RoPE
         if cache is None:
             # training: materialise V_h so that q, k, v share one head dim and flash applies
             v = v_shared.unsqueeze(2) + self.residual(r_v, self.B_v)
-            return self.project_out(self.attend(q, k, v))
-        # decoding, eq. 7: a_h V_h = a_h V_shared + (a_h R_h^V) (B_h^V)^T is exact, and costs
-        # one attention over [V_shared | R_h^V] instead of rebuilding V_h at every position
-        S = v_shared.size(1)
-        v = torch.cat((v_shared.unsqueeze(2).expand(B, S, self.n_head, self.head_dim), r_v), dim=-1)
-        y = self.attend(q, k, v)
-        y_shared, y_res = y.split((self.head_dim, self.rank), dim=-1)
+            return self.project_out(self.attend(q, apply_rope(norm(k), rope), v))
+        # decoding: the QK norm divides K_h by its RMS rho_h, which is cached, so that
+        # Rot_s(norm(K_h)) = (Rot_s K_shared + Rot_s(R_h^K (B_h^K)^T)) / rho_h, rotation being linear
+        rho = k.float().pow(2).mean(-1).add(torch.finfo(k.dtype).eps).sqrt().to(k.dtype)  # (B, T, H), as norm()
+        k_shared = apply_rope(k_shared.unsqueeze(2), rope).squeeze(2)  # (B, T, d_h)
+        k_shared, v_shared, r_k, r_v, rho = cache.update(k_shared=k_shared, v_shared=v_shared, r_k=r_k, r_v=r_v, rho=rho)
+        if T == 1:
+            y_shared, y_res = self.decode_step(q, k_shared, v_shared, r_k, r_v, rho, rope)
+        else:
+            # a prompt or a chunk after a prefix: rebuild every head's keys at every position
+            k = (k_shared.unsqueeze(2) + apply_rope(self.residual(r_k, self.B_k), rope)) / rho.unsqueeze(-1)
+            S = v_shared.size(1)
+            v = torch.cat((v_shared.unsqueeze(2).expand(B, S, self.n_head, self.head_dim), r_v), dim=-1)
+            y_shared, y_res = self.attend(q, k, v).split((self.head_dim, self.rank), dim=-1)
+        # eq. 7: a_h V_h = a_h V_shared + (a_h R_h^V) (B_h^V)^T, with B_h^V applied once to the result
         return self.project_out(y_shared + self.residual(y_res, self.B_v))
+
+    def decode_step(self, q, k_shared, v_shared, r_k, r_v, rho, rope):
+        """One new token's attention over all S cached positions, exact, without building any
+        per-head key. Head h's key at s is Rot_s(K_s + B_h r_{h,s}) / rho_{h,s} (eq. 6's K_h, then
+        the QK norm and RoPE; B_h = B_h^K, r = R^K), so for the normalised, rotated query q_h
+
+            score_{h,s} = [ q_h . Rot_s(K_s) + (B_h^T Rot_s^T q_h) . r_{h,s} ] / rho_{h,s}
+
+        The first term is MQA's, over the cached rotated K_shared. In the second, RoPE turns dims
+        i and i' = i + d_h/2 by s theta_i, so with B_h[i] the i-th row of B_h
+
+            B_h^T Rot_s^T q_h = sum_i cos(s theta_i) (q_i B_h[i] + q_i' B_h[i'])
+                                    + sin(s theta_i) (q_i B_h[i'] - q_i' B_h[i])
+
+        which for every s and h at once is the (S, d_h) table [cos | sin] times a (d_h, H r)
+        matrix built from q and B^K: one GEMM, the rebuild's S H r d_h multiply-adds without
+        its (S, H, d_h) tensors and their norm and rotation. Values: eq. 7, a_h [V_shared | R_h^V],
+        as two products so that V_shared is never copied per head."""
+        H, d_h, r, half = self.n_head, self.head_dim, self.rank, self.head_dim // 2
+        q = q[:, 0]  # (B, H, d_h)
+        B, S = q.size(0), k_shared.size(1)
+        q1, q2 = q.unsqueeze(-1).split(half, dim=-2)  # (B, H, d_h/2, 1)
+        B1, B2 = self.B_k.view(H, d_h, r).split(half, dim=1)  # (H, d_h/2, r)
+        M = torch.cat((q1 * B1 + q2 * B2, q1 * B2 - q2 * B1), dim=-2)  # (B, H, d_h, r)
+        cos_sin = torch.cat(rope, dim=-1).to(q.dtype)  # (S, d_h)
+        w = (cos_sin @ M.transpose(1, 2).flatten(2)).view(B, S, H, r)  # (B, S, H, r): B_h^T Rot_s^T q_h
+        scores = q @ k_shared.transpose(1, 2) + (w * r_k).sum(-1).transpose(1, 2)  # (B, H, S)
+        scores = scores / (rho.transpose(1, 2) * math.sqrt(d_h))
+        a = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # (B, H, S)
+        y_shared = a @ v_shared  # (B, H, d_h)
+        y_res = torch.einsum("bhs,bshr->bhr", a, r_v)  # (B, H, r)
+        return y_shared.unsqueeze(1), y_res.unsqueeze(1)
 
     def head_qk_weights(self):
         U = self.U_k.weight.view(self.n_head, self.rank, -1)
@@ -253,20 +291,45 @@ class MultiHeadLatentAttention(Attention):
         if cache is not None:
             c, k_rope = cache.update(c=c, k_rope=k_rope)
         S = c.size(1)
-        k_nope = self.W_up_k(c).view(B, S, self.n_head, self.head_dim)
-        # Rotating part of a vector leaves its RMS unchanged, so norm-after-rotate equals the
-        # queries' rotate-after-norm. The norm couples k_R with each head's k_nope, which is
-        # why W_up^K cannot be absorbed into the query and keys are rebuilt when decoding.
-        k = norm(torch.cat((k_nope, k_rope.expand(B, S, self.n_head, self.rope_dim)), dim=-1))  # (B, S, H, d_h + d_R)
-        if cache is None:
-            # Flash attention wants v as wide as q and k: zero-pad v by d_R and drop the padded
-            # (all-zero) output dims, d_R / d_h more work in a v than an unpadded kernel would do.
-            v = F.pad(self.W_up_v(c).view(B, S, self.n_head, self.head_dim), (0, self.rope_dim))
-            return self.project_out(self.attend(q, k, v)[..., :self.head_dim])
-        # decoding: a_h V_h = (a_h c) W_up,h^V exactly, so attend over the latent itself
-        y = self.attend(q, k, c.unsqueeze(2).expand(B, S, self.n_head, self.kv_lora_rank))
+        if cache is not None and T == 1:
+            y = self.decode_step(q, c, k_rope)
+        else:
+            k_nope = self.W_up_k(c).view(B, S, self.n_head, self.head_dim)
+            # Rotating part of a vector leaves its RMS unchanged, so norm-after-rotate equals the
+            # queries' rotate-after-norm. The norm couples k_R with each head's k_nope, which is
+            # why W_up^K cannot simply be absorbed into the query (but see decode_step).
+            k = norm(torch.cat((k_nope, k_rope.expand(B, S, self.n_head, self.rope_dim)), dim=-1))  # (B, S, H, d_h + d_R)
+            if cache is None:
+                # Flash attention wants v as wide as q and k: zero-pad v by d_R and drop the padded
+                # (all-zero) output dims, d_R / d_h more work in a v than an unpadded kernel would do.
+                v = F.pad(self.W_up_v(c).view(B, S, self.n_head, self.head_dim), (0, self.rope_dim))
+                return self.project_out(self.attend(q, k, v)[..., :self.head_dim])
+            # decoding: a_h V_h = (a_h c) W_up,h^V exactly, so attend over the latent itself
+            y = self.attend(q, k, c.unsqueeze(2).expand(B, S, self.n_head, self.kv_lora_rank))
         W_up_v = self.W_up_v.weight.view(self.n_head, self.head_dim, self.kv_lora_rank)
         return self.project_out(torch.einsum("bthc,hdc->bthd", y, W_up_v))
+
+    def decode_step(self, q, c, k_rope):
+        """One new token's attention over all S cached positions, exact, without building the
+        keys. Head h's key at s is [c_s W_up,h^K | k_R,s] / rho_{h,s}, rho the RMS of that
+        concatenation, so for the normalised, rotated query q_h = [q_h^nope | q_h^R]
+
+            score_{h,s} = [ (q_h^nope (W_up,h^K)^T) . c_s + q_h^R . k_R,s ] / rho_{h,s}
+
+        The first term is absorbed into the latent, as DeepSeek-V2 absorbs it. rho still needs
+        |c_s W_up,h^K|, one GEMM over the cache, but neither the concatenated keys nor their
+        normalised copy are built, and the scores cost d_c + d_R per head and position instead
+        of d_h + d_R. Returns a_h c: (B, 1, H, d_c)."""
+        H, d_h = self.n_head, self.head_dim
+        B, S = c.shape[:2]
+        q_nope, q_rope = q[:, 0].split((d_h, self.rope_dim), dim=-1)  # (B, H, d_h), (B, H, d_R)
+        k_nope_sq = self.W_up_k(c).view(B, S, H, d_h).float().pow(2).sum(-1)  # (B, S, H)
+        rho = ((k_nope_sq + k_rope.float().pow(2).sum(-1)) / self.qk_dim + torch.finfo(c.dtype).eps).sqrt()
+        q_latent = torch.einsum("bhn,hnc->bhc", q_nope, self.W_up_k.weight.view(H, d_h, self.kv_lora_rank))
+        scores = q_latent @ c.transpose(1, 2) + q_rope @ k_rope[:, :, 0].transpose(1, 2)  # (B, H, S)
+        scores = scores / (rho.transpose(1, 2).to(q.dtype) * math.sqrt(self.qk_dim))
+        a = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # (B, H, S)
+        return (a @ c).unsqueeze(1)
 
     def head_qk_weights(self):
         W_up_k = self.W_up_k.weight.view(self.n_head, self.head_dim, self.kv_lora_rank)

@@ -166,6 +166,50 @@ def test_cached_decoding_equals_full_forward(attn):
 
 
 @pytest.mark.parametrize("attn", ATTENTION_VARIANTS)
+def test_single_token_steps_match_a_chunk_over_64_positions(attn):
+    """Single-token steps (LRKV's and MLA's decode_step) against one chunk after the same prefix,
+    which rebuilds the keys, and against the full forward, over 64 positions."""
+    model = tiny_model(attn, block_size=64)
+    idx = torch.randint(0, TINY.vocab_size, (2, 64))
+    with torch.no_grad():
+        full = model(idx)[0]
+        caches = model.new_caches(2, 64, dtype=torch.float32)
+        model(idx[:, :8], caches=caches)
+        chunk = model(idx[:, 8:], caches=caches)[0]
+        caches = model.new_caches(2, 64, dtype=torch.float32)
+        model(idx[:, :8], caches=caches)
+        stepped = torch.cat([model(idx[:, t:t + 1], caches=caches)[0] for t in range(8, 64)], dim=1)
+    assert (stepped - chunk).abs().max() < 1e-4
+    assert (stepped - full[:, 8:]).abs().max() < 1e-4
+
+
+def test_lrkv_single_token_steps_build_no_cached_key(monkeypatch):
+    """A single-token step builds its own token's per-head keys (for their RMS) and no other."""
+    model = tiny_model("lrkv", block_size=64)
+    key_positions = []
+
+    def spy(layer):
+        residual = layer.residual
+
+        def counted(R, B):
+            if B is layer.B_k:
+                key_positions.append(R.size(1))
+            return residual(R, B)
+        return counted
+
+    for block in model.blocks:
+        monkeypatch.setattr(block.attn, "residual", spy(block.attn))
+    idx = torch.randint(0, TINY.vocab_size, (2, 64))
+    with torch.no_grad():
+        caches = model.new_caches(2, 64, dtype=torch.float32)
+        model(idx[:, :8], caches=caches)
+        key_positions.clear()
+        for t in range(8, 64):
+            model(idx[:, t:t + 1], caches=caches)
+    assert key_positions == [1] * 56 * TINY.n_layer
+
+
+@pytest.mark.parametrize("attn", ATTENTION_VARIANTS)
 def test_greedy_generation_is_the_same_with_and_without_cache(attn):
     model = tiny_model(attn)
     prompt = torch.randint(0, TINY.vocab_size, (2, 5))
@@ -183,19 +227,23 @@ def test_generation_past_block_size_raises():
 
 
 PAPER_CACHE_MIB = {"mha": 72, "gqa": 36, "mqa": 12, "lrkv": 37.875, "mla": 9}
+# LRKV's decoder also caches each head's key RMS, which the paper does not count: 12 layers x
+# 2048 tokens x 6 heads x 2 bytes, +0.7% (see LowRankKVAttention)
+DECODER_EXTRA_MIB = {"lrkv": 12 * 2048 * 6 * 2 / MIB}
 
 
 @pytest.mark.parametrize("attn", ATTENTION_VARIANTS)
 def test_kv_cache_bytes_of_the_128m_model(attn):
     with torch.device("meta"):
         model = GPT(GPTConfig(attn=attn))
-    assert model.kv_cache_bytes(1, 2048, torch.bfloat16) == PAPER_CACHE_MIB[attn] * MIB
+    assert model.kv_cache_bytes(1, 2048, torch.bfloat16) == (PAPER_CACHE_MIB[attn] + DECODER_EXTRA_MIB.get(attn, 0)) * MIB
     H, d_h, c = model.config.n_head, model.config.head_dim, model.config
     per_token = {"mha": 2 * H * d_h, "gqa": 2 * c.n_kv_head * d_h, "mqa": 2 * d_h,
-                 "mla": c.kv_lora_rank + c.rope_head_dim, "lrkv": 2 * d_h + 2 * H * c.lrkv_rank}
+                 "mla": c.kv_lora_rank + c.rope_head_dim, "lrkv": 2 * d_h + 2 * H * c.lrkv_rank + H}
     assert model.kv_cache_elements_per_token() == per_token[attn]
-    if attn == "lrkv":  # the paper's cache fraction 1/H + r/d_h = 52.6%
-        assert model.kv_cache_elements_per_token() / (2 * H * d_h) == pytest.approx(1 / H + c.lrkv_rank / d_h)
+    if attn == "lrkv":  # the paper's cache fraction 1/H + r/d_h = 52.6%, plus 1/(2 d_h) for the RMSs: 53.0%
+        fraction = 1 / H + c.lrkv_rank / d_h + 1 / (2 * d_h)
+        assert model.kv_cache_elements_per_token() / (2 * H * d_h) == pytest.approx(fraction)
 
 
 @pytest.mark.parametrize("attn", ATTENTION_VARIANTS)
