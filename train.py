@@ -245,8 +245,8 @@ class Muon(torch.optim.Optimizer):
     orthogonalises a contiguous share of each shape group and all_gather hands every rank all the
     new weights, so that the Newton-Schulz work divides among the ranks. Every rank still moves
     every momentum buffer (elementwise, cheap next to Newton-Schulz), so that rank 0's state_dict
-    holds the whole state and a resumed run goes on exactly. The state_dict is torch.optim.Muon's:
-    one momentum_buffer per matrix."""
+    holds the whole state and a resumed run goes on exactly. The state is torch.optim.Muon's, one
+    momentum_buffer per matrix, so its checkpoints resume here."""
 
     def __init__(self, params, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov))
