@@ -25,6 +25,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import time
 from contextlib import nullcontext
@@ -32,6 +33,7 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 
 import torch
+from torch.autograd import DeviceType
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from model import ATTENTION_VARIANTS, GPT, GPTConfig
@@ -55,6 +57,9 @@ PRESETS = {
                  batch_size=2, seq_len=64, warmup=1, steps=2, decode_batch=2, contexts=(32, 64), new_tokens=4),
 }
 DECODE_WARMUP = 2  # untimed tokens after each prefill
+# the backends F.scaled_dot_product_attention may pick on a GPU for training (math is its fallback)
+SDPA_BACKENDS = dict(flash=SDPBackend.FLASH_ATTENTION, cudnn=SDPBackend.CUDNN_ATTENTION,
+                     efficient=SDPBackend.EFFICIENT_ATTENTION)
 MIB = 2**20
 T0 = time.perf_counter()
 
@@ -107,9 +112,55 @@ def check(config, preset, device, dtype):
                 ok=flash_error is None and rel_err < tol)
 
 
-def bench_train(config, preset, device, compile):
+def sdpa_in_use(forward, x, y, autocast):
+    """The attention ops and kernels one forward and backward runs, as the profiler names them:
+    aten::_scaled_dot_product_{flash,cudnn,efficient}_attention and their kernels. None of them
+    means the math fallback (which compiled code inlines as plain matmuls)."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        with autocast:
+            loss = forward(x, y)[1]
+        loss.backward()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    ops = sorted(e.key.removeprefix("aten::_scaled_dot_product_") for e in events
+                 if e.key.startswith("aten::_scaled_dot_product_"))
+    # inductor names its own kernels after the ops they feed: leave them out
+    kernels = sorted(e.key[:120] for e in events if e.device_type == DeviceType.CUDA
+                     and re.search("flash|cudnn|fmha|sdpa", e.key, re.IGNORECASE) and not e.key.startswith("triton_"))
+    return dict(ops=ops, kernels=kernels)
+
+
+def sdpa_backend_ms(config, preset, device):
+    """The model's forward and backward in ms (median of 3 after 1), PyTorch's choice and each SDPA
+    backend forced, or the backend's error. Eager, because compiling once per backend would take
+    minutes; compiled code calls the same attention kernels."""
+    torch.manual_seed(0)
+    model = GPT(config).to(device)
+    B, T = preset["batch_size"], preset["seq_len"]
+    x, y = torch.randint(config.vocab_size, (2, B, T), device=device)
+    result = {}
+    for name, backend in dict(default=None, **SDPA_BACKENDS).items():
+        times = []
+        try:
+            with sdpa_kernel(backend) if backend else nullcontext():
+                for _ in range(4):
+                    t0 = clock(device)
+                    with torch.autocast("cuda", torch.bfloat16):
+                        loss = model(x, y)[1]
+                    loss.backward()
+                    times.append(clock(device) - t0)
+            result[name] = 1000 * statistics.median(times[1:])
+        except RuntimeError as e:
+            result[name] = str(e).splitlines()[0]
+        model.zero_grad(set_to_none=True)
+    return result
+
+
+def bench_train(config, preset, device, compile, profile):
     """train.py's step without its data: forward and backward, then the gradient clip and the
-    paper's optimisers, whose share is timed too (it does not grow with the batch)."""
+    paper's optimisers, whose share is timed too (it does not grow with the batch). With profile,
+    on a GPU, also which attention kernels the step runs (sdpa_in_use)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     torch.manual_seed(0)
@@ -132,12 +183,15 @@ def bench_train(config, preset, device, compile):
         steps.append(t2 - t0)
         optimizer_times.append(t2 - t1)
     log(f"  warm-up (compile included) {sum(steps[:preset['warmup']]):.1f}s")
+    sdpa = sdpa_in_use(forward, x, y, autocast) if profile and device.type == "cuda" else None
+    model.zero_grad(set_to_none=True)
     ms = 1000 * statistics.median(steps[preset["warmup"]:])
     tokens_per_s = B * T * 1000 / ms
     peak = peak_flops(device)
     return dict(ms_per_step=ms, optimizer_ms=1000 * statistics.median(optimizer_times[preset["warmup"]:]),
                 tokens_per_s=tokens_per_s, mfu=model.flops_per_token(T) * tokens_per_s / peak if peak else None,
-                max_memory_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None)
+                max_memory_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+                sdpa=sdpa)
 
 
 @torch.inference_mode()
@@ -190,6 +244,10 @@ def save(result, path):
         f.write(json.dumps(result, indent=1, allow_nan=False).encode())
 
 
+def backend_times(ms):
+    return ", ".join(f"{name} {t:.1f} ms" if isinstance(t, float) else f"{name}: {t}" for name, t in ms.items())
+
+
 def markdown(result):
     variants, tr, de, c = result["variants"], result["train"], result["decode"], result["config"]
     lines = [f"bench.py --preset={result['preset']}: {result['device']}, torch {result['torch']}, {result['date']}"]
@@ -223,12 +281,15 @@ def markdown(result):
             lines.append(f"| {name} | {u['cached_ms_per_token']:.2f} | {u['cached_ms_per_step']:.2f} | "
                          f"{u['uncached_ms_per_token']:.2f} | {u['speedup']:.1f}x |")
     if "check" in variants["mha"]:
-        lines += ["", "| variant | flash attention, forward and backward | cached vs full logits, rel. error |",
-                  "|---|---|---|"]
+        lines += ["", "| variant | flash attention, forward and backward | attention in the training step | "
+                      "cached vs full logits, rel. error |", "|---|---|---|---|"]
         for name, v in variants.items():
-            ch = v["check"]
-            lines.append(f"| {name} | {ch['flash_error'] or 'ok'} | {ch['decode_rel_err']:.1e} "
+            ch, sdpa = v["check"], v.get("train", {}).get("sdpa")
+            used = "-" if sdpa is None else ", ".join(sdpa["ops"]) or "math"
+            lines.append(f"| {name} | {ch['flash_error'] or 'ok'} | {used} | {ch['decode_rel_err']:.1e} "
                          f"({'ok' if ch['decode_rel_err'] < ch['decode_tol'] else 'FAIL'}: tolerance {ch['decode_tol']:.0e}) |")
+    if "mha_sdpa_ms" in result:
+        lines += ["", f"MHA's forward and backward, eager, per SDPA backend: {backend_times(result['mha_sdpa_ms'])}"]
     return "\n".join(lines)
 
 
@@ -238,7 +299,9 @@ def main():
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.compile the training step (default: on CUDA)")
-    parser.add_argument("--check", action="store_true", help="also check flash attention and cached decoding")
+    parser.add_argument("--check", action="store_true",
+                        help="also check flash attention and cached decoding; on a GPU, record which attention "
+                             "kernels training runs and time MHA with each SDPA backend")
     parser.add_argument("--only", choices=("train", "decode"), help="measure training or decoding alone (default: both)")
     parser.add_argument("--out", default="out/bench.json")
     args = parser.parse_args()
@@ -257,6 +320,10 @@ def main():
                     dtype=str(dtype).removeprefix("torch.")),
         variants={},
     )
+    if args.check and device.type == "cuda":
+        ms = result["mha_sdpa_ms"] = sdpa_backend_ms(GPTConfig(attn="mha", **preset["model"]), preset, device)
+        log(f"mha, eager, per SDPA backend: {backend_times(ms)}")
+        save(result, args.out)
     for attn in ATTENTION_VARIANTS:
         config = GPTConfig(attn=attn, **preset["model"])
         row = result["variants"][attn] = {}
@@ -266,11 +333,12 @@ def main():
             log(f"{attn}: flash attention {ch['flash_error'] or 'ok'}; cached vs full logits {ch['decode_rel_err']:.1e}")
         if args.only != "decode":
             log(f"{attn}: training")
-            row["train"] = bench_train(config, preset, device, compile)
+            row["train"] = bench_train(config, preset, device, compile, profile=args.check)
             row["train"]["x_mha"] = row["train"]["ms_per_step"] / result["variants"]["mha"]["train"]["ms_per_step"]
             t = row["train"]
             log(f"{attn}: {t['ms_per_step']:.1f} ms/step ({t['optimizer_ms']:.1f} optimizer), {t['tokens_per_s']:,.0f} tokens/s"
-                + (f", MFU {100 * t['mfu']:.1f}%, {t['max_memory_gib']:.1f} GiB" if t["mfu"] is not None else ""))
+                + (f", MFU {100 * t['mfu']:.1f}%, {t['max_memory_gib']:.1f} GiB" if t["mfu"] is not None else "")
+                + (f", attention: {', '.join(t['sdpa']['ops']) or 'math'}" if t["sdpa"] else ""))
             if compile:
                 torch._dynamo.reset()  # five models' graphs in one process would exhaust dynamo's caches
             if device.type == "cuda":

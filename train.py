@@ -230,6 +230,79 @@ def load_data(cfg, model_config):
 # ---------------------------------------------------------------------------------------------
 # Optimisation
 
+class Muon(torch.optim.Optimizer):
+    """torch.optim.Muon's update with adjust_lr_fn="original", batched: the matrices of one shape
+    are stacked and orthogonalised together, one step for a whole shape group, compiled on CUDA.
+    For each matrix W with gradient G, momentum buffer B (zero at first), lr, weight decay wd and
+    momentum mu:
+
+        B <- mu B + (1 - mu) G
+        U <- (1 - mu) G + mu B     (nesterov; else U <- B)
+        O <- NS5(U)                the quintic Newton-Schulz iteration below, in bf16
+        W <- (1 - lr wd) W - lr sqrt(max(1, rows / cols)) O
+
+    Under torch.distributed every rank holds the same gradients (DDP averaged them), each rank
+    orthogonalises a contiguous share of each shape group and all_gather hands every rank all the
+    new weights, so that the Newton-Schulz work divides among the ranks. Every rank still moves
+    every momentum buffer (elementwise, cheap next to Newton-Schulz), so that rank 0's state_dict
+    holds the whole state and a resumed run goes on exactly. The state is torch.optim.Muon's, one
+    momentum_buffer per matrix, so its checkpoints resume here."""
+
+    def __init__(self, params, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov))
+        params = [p for group in self.param_groups for p in group["params"]]
+        if any(p.ndim != 2 for p in params):
+            raise ValueError("Muon: every parameter must be a matrix")
+        self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        # eager on a CPU, where compiling (a C++ compiler, tens of seconds) costs more than it saves
+        self.update = torch.compile(muon_update) if params[0].is_cuda else muon_update
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            shapes = {}
+            for p in group["params"]:
+                if p.grad is not None:
+                    shapes.setdefault(p.shape, []).append(p)
+            for shape, params in shapes.items():
+                grads = [p.grad for p in params]
+                for p in params:
+                    if "momentum_buffer" not in self.state[p]:
+                        self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+                bufs = [self.state[p]["momentum_buffer"] for p in params]
+                torch._foreach_lerp_(bufs, grads, 1 - group["momentum"])
+                n = -(-len(params) // self.world_size)  # matrices a rank orthogonalises; the last may have fewer
+                mine = slice(self.rank * n, (self.rank + 1) * n)
+                # lr as a 0-d tensor: a float that the schedule moves every step would recompile the graph
+                lr = torch.tensor(group["lr"], dtype=torch.float64)
+                new = (self.update(params[mine], grads[mine], bufs[mine], lr, group["weight_decay"],
+                                   group["momentum"], group["nesterov"])
+                       if params[mine] else params[0].new_empty(0, *shape))
+                if self.world_size > 1:
+                    padded = torch.cat([new, new.new_zeros(n - len(new), *shape)])
+                    new = new.new_empty(self.world_size * n, *shape)
+                    dist.all_gather_into_tensor(new, padded)
+                torch._foreach_copy_(params, list(new[:len(params)]))
+
+
+def muon_update(params, grads, bufs, lr, weight_decay, momentum, nesterov):
+    """Muon's new values for matrices of one shape, stacked, from their moved momentum buffers.
+    The iteration is torch.optim.Muon's: its coefficients, eps and 5 steps, in bf16, on the
+    transpose of a tall matrix, the same fused multiply-adds (addmm there, baddbmm here)."""
+    G, B, W = torch.stack(grads), torch.stack(bufs), torch.stack(params)
+    X = (G.lerp(B, momentum) if nesterov else B).bfloat16()
+    rows, cols = W.shape[-2:]
+    if rows > cols:
+        X = X.mT
+    X = X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-7)  # spectral norm at most 1
+    for _ in range(5):
+        A = X @ X.mT
+        X = torch.baddbmm(X, torch.baddbmm(A, A, A, beta=-4.7750, alpha=2.0315), X, beta=3.4445)
+    if rows > cols:
+        X = X.mT
+    return W.mul_(1 - lr * weight_decay).sub_(X.float() * (lr * max(1, rows / cols) ** 0.5))
+
+
 def configure_optimizers(model, cfg):
     """The paper's optimisers: Muon for every matrix inside the blocks, AdamW with their own lrs for
     the token embedding and the unembedding; --optimizer=adamw moves the blocks' matrices to AdamW at
@@ -245,12 +318,12 @@ def configure_optimizers(model, cfg):
     if cfg.optimizer == "adamw":
         optimizers = [torch.optim.AdamW([dict(params=matrices, lr=cfg.adamw_lr), *adamw_groups], **adamw)]
     else:
-        # adjust_lr_fn="original" is Keller Jordan's: the orthogonalised update is scaled by
-        # sqrt(max(1, rows / cols)), so lr 0.02 moves a square matrix by 0.02 times an orthogonal
-        # matrix, the convention of modded-nanogpt and nanochat that the paper's 0.02 comes from
-        # ("match_rms_adamw" would make it an AdamW-sized lr instead). Weight decay multiplies
-        # each matrix by 1 - lr * weight_decay a step, with the unadjusted lr.
-        muon = torch.optim.Muon(matrices, lr=cfg.muon_lr, weight_decay=cfg.weight_decay, adjust_lr_fn="original")
+        # Muon scales the orthogonalised update by sqrt(max(1, rows / cols)), Keller Jordan's
+        # adjustment (torch.optim.Muon's adjust_lr_fn="original"), so lr 0.02 moves a square matrix
+        # by 0.02 times an orthogonal matrix, the convention of modded-nanogpt and nanochat that
+        # the paper's 0.02 comes from. Weight decay multiplies each matrix by 1 - lr * weight_decay
+        # a step, with the unadjusted lr.
+        muon = Muon(matrices, lr=cfg.muon_lr, weight_decay=cfg.weight_decay)
         optimizers = [muon, torch.optim.AdamW(adamw_groups, **adamw)]
     for opt in optimizers:
         for group in opt.param_groups:
