@@ -10,8 +10,9 @@ distinct operators the layer's H heads amount to: 1 if all are the same, H if al
 $ python analyze.py out/*/ckpt.pt           # or a folder holding */ckpt.pt: python analyze.py out
 $ python analyze.py out/mha/ckpt.pt --layer mean --centered --out_dir figures
 
-Writes effective_rank.png, head_correlation.png, kv_tradeoff.png and analysis.json, and prints
-a table. Everything runs on the CPU in float64.
+Writes effective_rank.png, head_correlation.png, kv_tradeoff.png, loss_curves.png (from each
+run's log.jsonl beside its checkpoint) and analysis.json, and prints a table. Everything runs on
+the CPU in float64.
 """
 
 import argparse
@@ -99,6 +100,21 @@ def effective_rank(G, centered=False):
     return math.exp(-(p * np.log(p)).sum())
 
 
+def loss_curves(path, ckpt):
+    """The training and validation losses that train.py logged beside the checkpoint, against
+    tokens seen: {"train": [[tokens, loss], ...], "val": [...]}, or None without a log."""
+    log = Path(path).parent / "log.jsonl"
+    if not log.exists() or "config" not in ckpt:
+        return None
+    tokens_per_step = ckpt["config"]["batch_size"] * ckpt["model_args"]["block_size"]
+    curves = {"train": [], "val": []}
+    for line in log.read_text().splitlines():
+        record = json.loads(line)
+        kind, key = ("val", "val_loss") if "val_loss" in record else ("train", "loss")
+        curves[kind].append([record["step"] * tokens_per_step, record[key]])
+    return curves
+
+
 def analyze(path):
     """The checkpoint's config, and what analysis.json records of it apart from its label."""
     ckpt, model = load(path)
@@ -119,6 +135,7 @@ def analyze(path):
         "kv_cache_elements_per_token": kv_elements,
         "kv_cache_fraction": kv_elements / (2 * config.n_head * config.head_dim),  # of MHA's 2 H d_h
         **validation,
+        "curves": loss_curves(path, ckpt),
         "effective_rank": [effective_rank(G) for G in similarity],
         "effective_rank_centered": [effective_rank(G, centered=True) for G in similarity],
         "similarity": [G.tolist() for G in similarity],
@@ -176,12 +193,24 @@ def plot_effective_rank(runs, centered):
     return fig
 
 
+def most_different_layer(runs):
+    """The layer whose effective ranks differ most between the runs (largest max - min), where
+    the variants' heads tell them apart; the middle layer if the runs differ in depth."""
+    if len({run["n_layer"] for run in runs}) > 1:
+        return None
+    ranks = np.array([run["effective_rank"] for run in runs])  # (runs, layers)
+    return int((ranks.max(0) - ranks.min(0)).argmax())
+
+
 def plot_head_correlation(runs, layer):
     """One H x H panel of G per checkpoint, for layer `layer`: an index, "mean" (of the layers'
-    matrices), or None for each checkpoint's middle layer."""
+    matrices), or None for the layer where the runs differ most (most_different_layer)."""
     similarity = [np.array(run["similarity"]) for run in runs]
     if layer == "mean":
         panels, which = [s.mean(0) for s in similarity], "mean over layers"
+    elif layer is None and most_different_layer(runs) is not None:
+        index = most_different_layer(runs)
+        panels, which = [s[index] for s in similarity], f"layer {index}, where the runs' effective ranks differ most"
     else:
         index = [run["n_layer"] // 2 if layer is None else layer % run["n_layer"] for run in runs]
         panels, which = [s[i] for s, i in zip(similarity, index)], "layer " + ", ".join(map(str, sorted(set(index))))
@@ -229,6 +258,28 @@ def plot_kv_tradeoff(runs):
     return fig
 
 
+def plot_loss_curves(runs):
+    """Validation and training loss against tokens seen, one line per run with a log; None if
+    no run has one. The paper's claim about loss is about this curve: LRKV reaches a baseline's
+    final loss in fewer tokens."""
+    if not any(run["curves"] for run in runs):
+        return None
+    fig = Figure(figsize=(10, 3.8), layout="constrained")
+    axes = fig.subplots(1, 2)
+    for ax, kind, name in zip(axes, ("val", "train"), ("Validation loss", "Training loss")):
+        for i, run in enumerate(runs):
+            if run["curves"] and run["curves"][kind]:
+                tokens, loss = zip(*run["curves"][kind])
+                ax.plot(np.array(tokens) / 1e6, loss, color=f"C{i}", label=run["label"],
+                        marker="o" if kind == "val" else None, markersize=3)
+        ax.grid(alpha=0.3)
+        ax.set_xlabel("Tokens (millions)")
+        ax.set_ylabel(f"{name} (nats/token)")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right upper")
+    fig.suptitle("Loss vs Tokens")
+    return fig
+
+
 def print_table(runs):
     rows = [("", "params", "KV elements/token/layer", "% of MHA", "val loss", "val BPB",
              "eff. rank (% of H)", "centred (% of H)")]
@@ -257,11 +308,13 @@ def main(argv=None):
     parser.add_argument("ckpts", nargs="+", help="checkpoints, or folders holding */ckpt.pt")
     parser.add_argument("--out_dir", type=Path,
                         help="where the figures and analysis.json go (default: the folder of the first checkpoint)")
-    # The paper does not say which layer its heatmaps show. Default: the middle one. Not the mean:
+    # The paper does not say which layer its heatmaps show. Default: the one where the runs differ
+    # most, which is where the variants' heads tell them apart. Not the mean:
     # any order of a layer's heads is the same model, so head i of one layer has nothing to do
     # with head i of the next, and averaging over layers blurs real pairs of heads toward 0.
     parser.add_argument("--layer", type=index_or_mean, help="layer of head_correlation.png: an index, or 'mean' of "
-                        "the layers' similarity matrices (default: the middle layer, n_layer // 2)")
+                        "the layers' similarity matrices (default: the layer where the runs' effective ranks "
+                        "differ most)")
     parser.add_argument("--centered", action="store_true", help="plot the PCA-based (double-centred) effective rank")
     args = parser.parse_args(argv)
 
@@ -286,10 +339,12 @@ def main(argv=None):
         "effective_rank.png": plot_effective_rank(runs, args.centered),
         "head_correlation.png": plot_head_correlation(runs, args.layer),
         "kv_tradeoff.png": plot_kv_tradeoff(runs),
+        "loss_curves.png": plot_loss_curves(runs),
     }
+    needs = {"kv_tradeoff.png": "validation numbers", "loss_curves.png": "a log.jsonl beside it"}
     for name, fig in figures.items():
         if fig is None:
-            print(f"no checkpoint carries validation numbers, so no {name}")
+            print(f"no checkpoint carries {needs[name]}, so no {name}")
         else:
             fig.savefig(out_dir / name, dpi=150)
     with open(out_dir / "analysis.json", "w") as f:

@@ -89,11 +89,15 @@ def test_centred_rank_stays_finite_and_below_H_minus_1(heads):
         assert 1 - 1e-9 <= uncentred <= heads + 1e-9, name
 
 
-def save_checkpoint(path, val_loss=None, val_bpb=None, seed=0, **overrides):
+def save_checkpoint(path, val_loss=None, val_bpb=None, seed=0, log=None, **overrides):
+    """A checkpoint as train.py writes it; with log (train.py's records), its log.jsonl beside it."""
     torch.manual_seed(seed)
     config = replace(TINY, **overrides)
     path.parent.mkdir(parents=True)
     ckpt = {"model": GPT(config).state_dict(), "model_args": asdict(config), "val_loss": val_loss, "val_bpb": val_bpb}
+    if log is not None:
+        ckpt["config"] = {"batch_size": 3}
+        (path.parent / "log.jsonl").write_text("".join(json.dumps(record) + "\n" for record in log))
     torch.save(ckpt, path)
 
 
@@ -102,7 +106,8 @@ def test_end_to_end(tmp_path, capsys):
     runs = {
         "a_gqa": dict(attn="gqa", val_loss=3.1, val_bpb=0.95),
         "b_lrkv4": dict(attn="lrkv", lrkv_rank=4, val_loss=3.0, val_bpb=0.91),
-        "c_mha": dict(attn="mha", val_loss=3.05, val_bpb=0.93),
+        "c_mha": dict(attn="mha", val_loss=3.05, val_bpb=0.93, log=[
+            dict(step=10, loss=4.0, lr=0.02), dict(step=20, loss=3.5, lr=0.01), dict(step=20, val_loss=3.05, val_bpb=0.93)]),
         "d_mla": dict(attn="mla"),
         "e_lrkv2": dict(attn="lrkv", lrkv_rank=2, val_loss=3.08, val_bpb=0.94),
         "f_mqa": dict(attn="mqa", val_loss=3.2, val_bpb=0.97),
@@ -113,7 +118,7 @@ def test_end_to_end(tmp_path, capsys):
     analyze.main([str(tmp_path / "out"), "--out_dir", str(out_dir)])
 
     written = sorted(p.name for p in out_dir.iterdir())
-    assert written == ["analysis.json", "effective_rank.png", "head_correlation.png", "kv_tradeoff.png"]
+    assert written == ["analysis.json", "effective_rank.png", "head_correlation.png", "kv_tradeoff.png", "loss_curves.png"]
     results = json.loads((out_dir / "analysis.json").read_text())["runs"]
     order = ["Standard MHA", "LRKV (r=2)", "LRKV (r=4)", "MQA", "MLA", "GQA (2 KV heads)"]
     assert [run["label"] for run in results] == order
@@ -139,6 +144,25 @@ def test_end_to_end(tmp_path, capsys):
     assert [ax.get_title() for ax in panels] == order
     loss, bpb = analyze.plot_kv_tradeoff(results).axes
     assert len(loss.collections) == len(bpb.collections) == 5
+    # loss curves against tokens: step * batch_size * block_size, and only MHA logged anything
+    mha = results[0]
+    tokens_per_step = 3 * TINY.block_size
+    assert mha["curves"] == {"train": [[10 * tokens_per_step, 4.0], [20 * tokens_per_step, 3.5]],
+                             "val": [[20 * tokens_per_step, 3.05]]}
+    assert all(run["curves"] is None for run in results[1:])
+    val, train = analyze.plot_loss_curves(results).axes
+    assert [line.get_label() for line in val.lines] == [line.get_label() for line in train.lines] == ["Standard MHA"]
+    np.testing.assert_allclose(train.lines[0].get_xdata(), [10 * tokens_per_step / 1e6, 20 * tokens_per_step / 1e6])
+
+
+def test_heatmap_defaults_to_the_layer_where_the_runs_differ_most():
+    runs = [dict(label=name, n_layer=3, n_head=2, effective_rank=ranks, similarity=np.eye(2)[None].repeat(3, 0).tolist())
+            for name, ranks in (("a", [1.9, 2.0, 1.5]), ("b", [1.2, 1.95, 1.4]), ("c", [1.8, 2.0, 1.3]))]
+    assert analyze.most_different_layer(runs) == 0  # spreads 0.7, 0.05, 0.2
+    assert analyze.plot_head_correlation(runs, None)._suptitle.get_text().startswith("Attention Head Correlation (layer 0,")
+    assert analyze.plot_head_correlation(runs, 2)._suptitle.get_text() == "Attention Head Correlation (layer 2)"
+    runs[1]["n_layer"] = 4  # runs of different depth: no common layer, each run's middle one
+    assert analyze.most_different_layer(runs) is None
 
 
 def run_cli(*args):
