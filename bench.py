@@ -270,10 +270,11 @@ def markdown(result):
                 lines.append(f"| {name} | {d['context']} | {d['ms_per_token']:.2f} | {d['tokens_per_s']:,.0f} | "
                              f"{d['back_to_back_ms_per_token']:.2f} | {d['cache_mib']:.1f} | {d['cache_pct_mha']:.1f} | "
                              f"{d['x_mha']:.2f} |")
-        lines += ["", f"LRKV's cache is {variants['lrkv']['decode'][0]['cache_pct_mha']:.2f}% of MHA's; 1/H + r/d_h "
-                      f"+ 1/(2 d_h) (the paper's, plus each head's key RMS) = "
-                      f"{100 * (1 / c['n_head'] + c['lrkv_rank'] / c['head_dim'] + 1 / (2 * c['head_dim'])):.2f}%",
-                  "", f"generate() with and without the cache: batch {de['batch_size']}, {de['new_tokens']} new tokens "
+        if "lrkv" in variants:
+            lines += ["", f"LRKV's cache is {variants['lrkv']['decode'][0]['cache_pct_mha']:.2f}% of MHA's; 1/H + r/d_h "
+                          f"+ 1/(2 d_h) (the paper's, plus each head's key RMS) = "
+                          f"{100 * (1 / c['n_head'] + c['lrkv_rank'] / c['head_dim'] + 1 / (2 * c['head_dim'])):.2f}%"]
+        lines += ["", f"generate() with and without the cache: batch {de['batch_size']}, {de['new_tokens']} new tokens "
                       f"after {de['contexts'][0] - de['new_tokens']}, ms per new token, prefill included, and per step alone", "",
                   "| variant | cached | cached, per step | uncached | cache speedup |", "|---|---:|---:|---:|---:|"]
         for name, v in variants.items():
@@ -293,6 +294,14 @@ def markdown(result):
     return "\n".join(lines)
 
 
+def variants(text):
+    names = text.split(",")
+    unknown = [name for name in names if name not in ATTENTION_VARIANTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: not one of {', '.join(ATTENTION_VARIANTS)}")
+    return names
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=PRESETS, default="cpu")
@@ -303,6 +312,9 @@ def main():
                         help="also check flash attention and cached decoding; on a GPU, record which attention "
                              "kernels training runs and time MHA with each SDPA backend")
     parser.add_argument("--only", choices=("train", "decode"), help="measure training or decoding alone (default: both)")
+    parser.add_argument("--attn", type=variants, default=ATTENTION_VARIANTS,
+                        help="comma-separated variants, measured in this order after MHA, which every row is "
+                             "relative to (default: all)")
     parser.add_argument("--out", default="out/bench.json")
     args = parser.parse_args()
     preset, device = PRESETS[args.preset], torch.device(args.device)
@@ -324,7 +336,7 @@ def main():
         ms = result["mha_sdpa_ms"] = sdpa_backend_ms(GPTConfig(attn="mha", **preset["model"]), preset, device)
         log(f"mha, eager, per SDPA backend: {backend_times(ms)}")
         save(result, args.out)
-    for attn in ATTENTION_VARIANTS:
+    for attn in dict.fromkeys(("mha", *args.attn)):
         config = GPTConfig(attn=attn, **preset["model"])
         row = result["variants"][attn] = {}
         if args.check:
