@@ -267,3 +267,15 @@ def test_bad_preset_is_reported_from_the_command_line(data_dir, tmp_path):
     assert result.returncode == 2
     assert result.stderr == f"train.py: {preset}: lrkv_rank = 'four': expected int\n"
     assert not out.exists()
+
+
+def test_presets_parse_and_the_gpu_preset_trains_at_reduced_size(data_dir, tmp_path):
+    model, cfg = train.parse_args(["config/demo.py"])
+    assert (model.n_head, model.n_embd, model.n_embd // model.head_dim) == (6, 96, 6)
+    # the paper's ratios at the demo's head dim: LRKV r/d_h = 46/128, MLA d_c/d = 128/768
+    assert model.lrkv_rank == round(46 / 128 * model.head_dim) and model.kv_lora_rank * 6 == model.n_embd
+    model, cfg = train.parse_args(["config/gpu.py"])
+    assert model == GPTConfig() and (cfg.batch_size, cfg.max_steps, cfg.out_dir) == (16, 8000, "out/gpu")
+    small = flags(data_dir=data_dir, out_dir=tmp_path, max_steps=2, eval_interval=2)
+    assert train.main(["config/gpu.py", *small]) == 0
+    assert sorted(records(tmp_path, "loss")) == [1, 2] and sorted(records(tmp_path, "val_loss")) == [2]
