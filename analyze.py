@@ -164,9 +164,12 @@ def legend_labels(configs, ckpts):
 
 def model_size(n_params):
     """All parameters, both untied embeddings included (GPT.get_num_params, as train.py reports
-    them), to the nearest million: the paper's "128M" configuration reads 162M by this rule (124M
-    without the unembedding; the paper does not say how it counts, and no rule gives 128M)."""
-    return f"{n_params / 1e9:.1f}B" if n_params >= 1e9 else f"{n_params / 1e6:.0f}M"
+    them), to the nearest million, or tenth of a million below 10M (the demo's 0.5M): the paper's
+    "128M" configuration reads 162M by this rule (124M without the unembedding; the paper does not
+    say how it counts, and no rule gives 128M)."""
+    if n_params >= 1e9:
+        return f"{n_params / 1e9:.1f}B"
+    return f"{n_params / 1e6:.0f}M" if n_params >= 1e7 else f"{n_params / 1e6:.1f}M"
 
 
 def plot_effective_rank(runs, centered):

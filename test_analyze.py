@@ -165,6 +165,10 @@ def test_heatmap_defaults_to_the_layer_where_the_runs_differ_most():
     assert analyze.most_different_layer(runs) is None
 
 
+def test_model_size_labels():
+    assert [analyze.model_size(n) for n in (480_000, 9_940_000, 162_000_000, 1_240_000_000)] == ["0.5M", "9.9M", "162M", "1.2B"]
+
+
 def run_cli(*args):
     command = [sys.executable, "analyze.py", *map(str, args)]
     return subprocess.run(command, cwd=Path(__file__).parent, capture_output=True, text=True)
