@@ -27,10 +27,7 @@ import torch
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from model import GPT, GPTConfig
-
-# The paper's legend order, which gives matplotlib's default colours in its figure
-LEGEND_ORDER = ("mha", "lrkv", "mqa", "mla", "gqa")
+from model import ATTENTION, GPT, GPTConfig
 
 
 def fail(path, problem):
@@ -143,22 +140,15 @@ def analyze(path):
 
 
 def legend_key(config):
-    """MHA, LRKV, MQA, MLA, GQA, and within a variant by size: LRKV by r, MLA by d_c, GQA by G."""
-    size = {"lrkv": config.lrkv_rank, "mla": config.kv_lora_rank, "gqa": config.n_kv_head}.get(config.attn, 0)
-    return LEGEND_ORDER.index(config.attn), size
+    """The paper's legend order, which gives matplotlib's default colours in its figure: each
+    variant's place, then its runs by size (Attention.legend_key)."""
+    return ATTENTION[config.attn].legend_key(config)
 
 
 def legend_labels(configs, ckpts):
-    """The paper's legend labels. MLA names its d_c only where MLA runs differ in it; a label that
-    would still name two checkpoints (two seeds, say) gets each one's folder appended."""
-    several_mla = len({c.kv_lora_rank for c in configs if c.attn == "mla"}) > 1
-    names = [{
-        "mha": "Standard MHA",
-        "lrkv": f"LRKV (r={c.lrkv_rank})",
-        "mqa": "MQA",
-        "mla": f"MLA (d_c={c.kv_lora_rank})" if several_mla else "MLA",
-        "gqa": f"GQA ({c.n_kv_head} KV heads)",
-    }[c.attn] for c in configs]
+    """The paper's legend labels, each variant's own (Attention.legend_label); a label that would
+    still name two checkpoints (two seeds, say) gets each one's folder appended."""
+    names = [ATTENTION[c.attn].legend_label(c, [peer for peer in configs if peer.attn == c.attn]) for c in configs]
     return [f"{name} ({Path(ckpt).parent})" if names.count(name) > 1 else name for name, ckpt in zip(names, ckpts)]
 
 
