@@ -18,46 +18,19 @@ the CPU in float64.
 import argparse
 import json
 import math
-import pickle
 import sys
 from pathlib import Path
 
 import numpy as np
-import torch
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from model import ATTENTION, GPT, GPTConfig
+from model import ATTENTION
+from train import ConfigError, load_checkpoint
 
 
 def fail(path, problem):
     sys.exit(f"{path}: {problem}")
-
-
-def load(path):
-    """A train.py checkpoint and its model. weights_only: reading a checkpoint can never run code.
-    mmap and a model built on the meta device: nothing is read or initialised but the weights
-    the analysis touches, which keeps six 128M checkpoints to seconds."""
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except OSError as e:
-        fail(path, e.strerror)
-    except pickle.UnpicklingError:
-        fail(path, "refused: it holds Python objects that loading with weights_only=True does not allow")
-    except Exception:  # what else torch.load raises (mostly RuntimeError) says the file is no checkpoint
-        fail(path, "not a PyTorch checkpoint")
-    if not isinstance(ckpt, dict):
-        fail(path, f"not a train.py checkpoint: it holds a {type(ckpt).__name__}, not a dict")
-    for key in ("model_args", "model"):
-        if key not in ckpt:
-            fail(path, f"not a train.py checkpoint: it has no {key!r}")
-    try:
-        with torch.device("meta"):
-            model = GPT(GPTConfig(**ckpt["model_args"]))
-        model.load_state_dict(ckpt["model"], assign=True)
-    except (TypeError, ValueError, RuntimeError) as e:
-        fail(path, "model_args and weights do not make a GPT: " + " ".join(str(e).split()))
-    return ckpt, model
 
 
 def head_similarity(Wq, Wk):
@@ -114,7 +87,10 @@ def loss_curves(path, ckpt):
 
 def analyze(path):
     """The checkpoint's config, and what analysis.json records of it apart from its label."""
-    ckpt, model = load(path)
+    try:
+        ckpt, model = load_checkpoint(path)
+    except ConfigError as e:  # one line that names the checkpoint
+        sys.exit(str(e))
     config = model.config
     # LRKV's W_shared + U_h B_h^T and MLA's W_down W_up,h are composed in float64 as well; only
     # the attention weights are converted, the rest of the model is never read
