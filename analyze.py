@@ -18,49 +18,19 @@ the CPU in float64.
 import argparse
 import json
 import math
-import pickle
 import sys
 from pathlib import Path
 
 import numpy as np
-import torch
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from model import GPT, GPTConfig
-
-# The paper's legend order, which gives matplotlib's default colours in its figure
-LEGEND_ORDER = ("mha", "lrkv", "mqa", "mla", "gqa")
+from model import ATTENTION
+from train import ConfigError, load_checkpoint
 
 
 def fail(path, problem):
     sys.exit(f"{path}: {problem}")
-
-
-def load(path):
-    """A train.py checkpoint and its model. weights_only: reading a checkpoint can never run code.
-    mmap and a model built on the meta device: nothing is read or initialised but the weights
-    the analysis touches, which keeps six 128M checkpoints to seconds."""
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except OSError as e:
-        fail(path, e.strerror)
-    except pickle.UnpicklingError:
-        fail(path, "refused: it holds Python objects that loading with weights_only=True does not allow")
-    except Exception:  # what else torch.load raises (mostly RuntimeError) says the file is no checkpoint
-        fail(path, "not a PyTorch checkpoint")
-    if not isinstance(ckpt, dict):
-        fail(path, f"not a train.py checkpoint: it holds a {type(ckpt).__name__}, not a dict")
-    for key in ("model_args", "model"):
-        if key not in ckpt:
-            fail(path, f"not a train.py checkpoint: it has no {key!r}")
-    try:
-        with torch.device("meta"):
-            model = GPT(GPTConfig(**ckpt["model_args"]))
-        model.load_state_dict(ckpt["model"], assign=True)
-    except (TypeError, ValueError, RuntimeError) as e:
-        fail(path, "model_args and weights do not make a GPT: " + " ".join(str(e).split()))
-    return ckpt, model
 
 
 def head_similarity(Wq, Wk):
@@ -117,7 +87,10 @@ def loss_curves(path, ckpt):
 
 def analyze(path):
     """The checkpoint's config, and what analysis.json records of it apart from its label."""
-    ckpt, model = load(path)
+    try:
+        ckpt, model = load_checkpoint(path)
+    except ConfigError as e:  # one line that names the checkpoint
+        sys.exit(str(e))
     config = model.config
     # LRKV's W_shared + U_h B_h^T and MLA's W_down W_up,h are composed in float64 as well; only
     # the attention weights are converted, the rest of the model is never read
@@ -143,22 +116,15 @@ def analyze(path):
 
 
 def legend_key(config):
-    """MHA, LRKV, MQA, MLA, GQA, and within a variant by size: LRKV by r, MLA by d_c, GQA by G."""
-    size = {"lrkv": config.lrkv_rank, "mla": config.kv_lora_rank, "gqa": config.n_kv_head}.get(config.attn, 0)
-    return LEGEND_ORDER.index(config.attn), size
+    """The paper's legend order, which gives matplotlib's default colours in its figure: each
+    variant's place, then its runs by size (Attention.legend_key)."""
+    return ATTENTION[config.attn].legend_key(config)
 
 
 def legend_labels(configs, ckpts):
-    """The paper's legend labels. MLA names its d_c only where MLA runs differ in it; a label that
-    would still name two checkpoints (two seeds, say) gets each one's folder appended."""
-    several_mla = len({c.kv_lora_rank for c in configs if c.attn == "mla"}) > 1
-    names = [{
-        "mha": "Standard MHA",
-        "lrkv": f"LRKV (r={c.lrkv_rank})",
-        "mqa": "MQA",
-        "mla": f"MLA (d_c={c.kv_lora_rank})" if several_mla else "MLA",
-        "gqa": f"GQA ({c.n_kv_head} KV heads)",
-    }[c.attn] for c in configs]
+    """The paper's legend labels, each variant's own (Attention.legend_label); a label that would
+    still name two checkpoints (two seeds, say) gets each one's folder appended."""
+    names = [ATTENTION[c.attn].legend_label(c, [peer for peer in configs if peer.attn == c.attn]) for c in configs]
     return [f"{name} ({Path(ckpt).parent})" if names.count(name) > 1 else name for name, ckpt in zip(names, ckpts)]
 
 

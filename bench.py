@@ -36,7 +36,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from model import ATTENTION_VARIANTS, GPT, GPTConfig
+from model import ATTENTION, GPT, GPTConfig
 from prepare_data import atomic_open
 from train import TrainConfig, configure_optimizers, optimizer_step, peak_flops
 
@@ -296,13 +296,13 @@ def markdown(result):
 
 def variants(text):
     names = text.split(",")
-    unknown = [name for name in names if name not in ATTENTION_VARIANTS]
+    unknown = [name for name in names if name not in ATTENTION]
     if unknown:
-        raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: not one of {', '.join(ATTENTION_VARIANTS)}")
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: not one of {', '.join(ATTENTION)}")
     return names
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=PRESETS, default="cpu")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -312,11 +312,11 @@ def main():
                         help="also check flash attention and cached decoding; on a GPU, record which attention "
                              "kernels training runs and time MHA with each SDPA backend")
     parser.add_argument("--only", choices=("train", "decode"), help="measure training or decoding alone (default: both)")
-    parser.add_argument("--attn", type=variants, default=ATTENTION_VARIANTS,
+    parser.add_argument("--attn", type=variants, default=list(ATTENTION),
                         help="comma-separated variants, measured in this order after MHA, which every row is "
                              "relative to (default: all)")
     parser.add_argument("--out", default="out/bench.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     preset, device = PRESETS[args.preset], torch.device(args.device)
     compile = device.type == "cuda" if args.compile is None else args.compile
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

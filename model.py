@@ -35,27 +35,19 @@ class GPTConfig:
     rope_theta: float = 10000.0
 
     def __post_init__(self):
-        def bad(field, allowed):
-            raise ValueError(f"GPTConfig.{field} = {getattr(self, field)!r}: must be {allowed}")
-
-        if self.attn not in ATTENTION_VARIANTS:
-            bad("attn", "one of " + ", ".join(ATTENTION_VARIANTS))
+        if self.attn not in ATTENTION:
+            self.reject("attn", "one of " + ", ".join(ATTENTION))
         for field in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "head_dim"):
             if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
-                bad(field, "a positive integer")
+                self.reject(field, "a positive integer")
         if self.head_dim % 2:
-            bad("head_dim", "even (RoPE rotates pairs of dimensions)")
+            self.reject("head_dim", "even (RoPE rotates pairs of dimensions)")
         if self.n_embd != self.n_head * self.head_dim:
-            bad("n_embd", f"n_head * head_dim = {self.n_head} * {self.head_dim} = {self.n_head * self.head_dim}")
-        if self.attn == "gqa" and not (1 <= self.n_kv_head <= self.n_head and self.n_head % self.n_kv_head == 0):
-            bad("n_kv_head", f"a divisor of n_head = {self.n_head}")
-        if self.attn == "mla":
-            if self.kv_lora_rank < 1:
-                bad("kv_lora_rank", "a positive integer")
-            if not (2 <= self.rope_head_dim <= self.head_dim and self.rope_head_dim % 2 == 0):
-                bad("rope_head_dim", f"even, from 2 to head_dim = {self.head_dim}")
-        if self.attn == "lrkv" and not 1 <= self.lrkv_rank <= self.head_dim:
-            bad("lrkv_rank", f"between 1 and head_dim = {self.head_dim}")
+            self.reject("n_embd", f"n_head * head_dim = {self.n_head} * {self.head_dim} = {self.n_head * self.head_dim}")
+        ATTENTION[self.attn].check(self)
+
+    def reject(self, field, allowed):
+        raise ValueError(f"GPTConfig.{field} = {getattr(self, field)!r}: must be {allowed}")
 
 
 def norm(x):
@@ -69,8 +61,9 @@ def rope_tables(dim, max_len, theta):
 
 
 def apply_rope(x, rope):
-    """Rotate the last 2 * cos.size(-1) dims of x (B, T, heads, D), whose T tokens are the
-    last T of the positions the tables cover (all of them in training)."""
+    """Rotate the last rope_dim = 2 * cos.size(-1) dims of x (B, T, heads, D), dim i of them with
+    dim i + rope_dim / 2, and pass the first D - rope_dim through; x's T tokens are the last T of
+    the positions the tables cover (all of them in training)."""
     cos, sin = (t[-x.size(1):, None, :].to(x.dtype) for t in rope)
     x_pass, x1, x2 = x.split((x.size(-1) - 2 * cos.size(-1), cos.size(-1), cos.size(-1)), dim=-1)
     return torch.cat((x_pass, x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
@@ -107,16 +100,79 @@ class KVCache(nn.Module):
 # Decoding a chunk after a prefix needs an explicit mask (memory-efficient or math backend),
 # and the absorbed value forms (v wider than q/k) are likewise not flash-eligible.
 class Attention(nn.Module):
-    """What all variants share: H full-rank query heads W_q, the output W_o, and attention itself.
-    Subclasses define the key/value side: forward, cache_shapes and head_qk_weights."""
+    """The interface of an attention variant, and what every variant shares: H full-rank query
+    heads W_q (normalised and rotated by `queries`), the output projection W_o and `attend`.
 
-    def __init__(self, config, qk_dim=None):
+    A variant is a subclass listed in the ATTENTION registry below, which is the only list of
+    variants: GPT, train.py, analyze.py and bench.py know a variant only through the methods
+    here. A subclass must define forward, cache_shapes, head_qk_weights, legend_label and
+    legend_key; check, reset_parameters and attention_macs have defaults that fit a variant whose
+    knobs need no check, whose only parameters are nn.Linear weights, and whose values are
+    head_dim wide.
+
+    Widths: every query and key head is qk_dim wide, every value head head_dim (W_o reads H of
+    them). RoPE rotates the last rope_dim dims of each query and key head: GPT builds one table of
+    rope_dim / 2 frequencies from layer 0's rope_dim, and apply_rope(t, rope) rotates the last
+    rope_dim dims of whatever (B, T, heads, width) tensor t it is given.
+
+    Parameters: every one must be a 2-D matrix. train.py's configure_optimizers hands all block
+    parameters to Muon, which orthogonalises matrices; stack per-head factors into one matrix (as
+    LowRankKVAttention stacks its B_h into (H d_h, r))."""
+
+    def __init__(self, config, qk_dim=None, rope_dim=None):
         super().__init__()
         self.n_head, self.head_dim = config.n_head, config.head_dim
-        self.qk_dim = qk_dim or config.head_dim  # width of each query and key head; values are head_dim wide
-        self.rope_dim = config.head_dim  # dims of each q/k head that RoPE rotates
+        self.qk_dim = qk_dim or config.head_dim
+        self.rope_dim = rope_dim or config.head_dim
         self.W_q = nn.Linear(config.n_embd, config.n_head * self.qk_dim, bias=False)
         self.W_o = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                cache: "KVCache | None" = None) -> torch.Tensor:
+        """This layer's attention output (B, T, d), W_o applied, for the normalised input x (B, T, d).
+        rope: the (cos, sin) tables of every position so far, x's T tokens the last T of them.
+        With a cache (a KVCache of cache_shapes), x continues the cached prefix: pass x's entries
+        to cache.update, which appends them and returns every position's, and attend over those."""
+        raise NotImplementedError
+
+    def cache_shapes(self) -> dict[str, tuple[int, ...]]:
+        """What one token leaves in the decoding cache, {name: shape}: KVCache holds a
+        (B, max_len, *shape) buffer per name, and GPT.kv_cache_bytes counts them."""
+        raise NotImplementedError
+
+    def head_qk_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Wq, Wk), each (H, d, qk_dim): head h's query is x @ Wq[h] and its key x @ Wk[h],
+        before the QK norm and RoPE (any other norm on the key path taken as identity). analyze.py
+        measures head diversity on them."""
+        raise NotImplementedError
+
+    @classmethod
+    def check(cls, config: "GPTConfig") -> None:
+        """Reject (config.reject) any of the variant's own knobs that it cannot be built with.
+        GPTConfig calls it after the checks that every variant shares."""
+
+    @classmethod
+    def legend_label(cls, config: "GPTConfig", peers: list["GPTConfig"]) -> str:
+        """The label analyze.py gives a run of this variant; peers: the configs of all runs of this
+        variant in the same figures, config among them."""
+        raise NotImplementedError
+
+    @classmethod
+    def legend_key(cls, config: "GPTConfig") -> tuple[int, int]:
+        """(place, size): analyze.py orders its legend by it, the variants by place (the paper's
+        order: MHA 0, LRKV 1, MQA 2, MLA 3, GQA 4), the runs of one variant by size."""
+        raise NotImplementedError
+
+    def reset_parameters(self) -> None:
+        """This layer's share of GPT.reset_parameters, which calls it layer after layer once it has
+        drawn every nn.Linear in the model: zero W_o, so that the block starts as the identity.
+        A variant with other parameters draws them here, from the global RNG, after super()."""
+        nn.init.zeros_(self.W_o.weight)
+
+    def attention_macs(self, seq_len: int) -> int:
+        """Multiply-adds per token, forward, of q k^T and a v over seq_len keys, all heads (no
+        discount for the causal mask): GPT.flops_per_token counts 6 FLOPs for each."""
+        return self.n_head * (self.qk_dim + self.head_dim) * seq_len
 
     def queries(self, x, rope):
         B, T, _ = x.shape
@@ -144,14 +200,34 @@ class Attention(nn.Module):
 
 
 class GroupedQueryAttention(Attention):
-    """G key/value heads, each shared by H/G query heads: MHA is G = H, MQA is G = 1.
+    """GQA: G = config.n_kv_head key/value heads, each shared by H/G consecutive query heads.
+    MHA (G = H) and MQA (G = 1) are its subclasses, which change kv_heads, the label and the place.
     Cache per token: 2 G d_h (keys stored normalised and rotated, ready to use)."""
 
-    def __init__(self, config, n_kv_head):
+    def __init__(self, config):
         super().__init__(config)
-        self.n_kv_head = n_kv_head
-        self.W_k = nn.Linear(config.n_embd, n_kv_head * config.head_dim, bias=False)
-        self.W_v = nn.Linear(config.n_embd, n_kv_head * config.head_dim, bias=False)
+        self.n_kv_head = self.kv_heads(config)
+        self.W_k = nn.Linear(config.n_embd, self.n_kv_head * config.head_dim, bias=False)
+        self.W_v = nn.Linear(config.n_embd, self.n_kv_head * config.head_dim, bias=False)
+
+    @staticmethod
+    def kv_heads(config):
+        """G, the number of key/value heads."""
+        return config.n_kv_head
+
+    @classmethod
+    def check(cls, config):
+        G = cls.kv_heads(config)  # MHA's and MQA's G never fail: only GQA reads n_kv_head
+        if not (1 <= G <= config.n_head and config.n_head % G == 0):
+            config.reject("n_kv_head", f"a divisor of n_head = {config.n_head}")
+
+    @classmethod
+    def legend_label(cls, config, peers):
+        return f"GQA ({config.n_kv_head} KV heads)"
+
+    @classmethod
+    def legend_key(cls, config):
+        return 4, config.n_kv_head
 
     def cache_shapes(self):
         return {"k": (self.n_kv_head, self.head_dim), "v": (self.n_kv_head, self.head_dim)}
@@ -170,6 +246,38 @@ class GroupedQueryAttention(Attention):
         return self.query_weights(), Wk.repeat_interleave(self.n_head // self.n_kv_head, dim=0)
 
 
+class MultiHeadAttention(GroupedQueryAttention):
+    """Standard MHA: every query head has a key/value head of its own (G = H)."""
+
+    @staticmethod
+    def kv_heads(config):
+        return config.n_head
+
+    @classmethod
+    def legend_label(cls, config, peers):
+        return "Standard MHA"
+
+    @classmethod
+    def legend_key(cls, config):
+        return 0, 0
+
+
+class MultiQueryAttention(GroupedQueryAttention):
+    """MQA: one key/value head shared by all query heads (G = 1)."""
+
+    @staticmethod
+    def kv_heads(config):
+        return 1
+
+    @classmethod
+    def legend_label(cls, config, peers):
+        return "MQA"
+
+    @classmethod
+    def legend_key(cls, config):
+        return 2, 0
+
+
 class LowRankKVAttention(Attention):
     """LRKV: W_h^K = W_shared^K + U_h^K (B_h^K)^T and W_h^V = W_shared^V + U_h^V (B_h^V)^T.
     Cache per token: K_shared (rotated), V_shared (d_h each), every head's R_h^K = x U_h^K and
@@ -180,7 +288,7 @@ class LowRankKVAttention(Attention):
     def __init__(self, config):
         super().__init__(config)
         d, H, d_h, r = config.n_embd, config.n_head, config.head_dim, config.lrkv_rank
-        self.rank = r
+        self.lrkv_rank = r
         self.W_shared_k = nn.Linear(d, d_h, bias=False)
         self.W_shared_v = nn.Linear(d, d_h, bias=False)
         self.U_k = nn.Linear(d, H * r, bias=False)
@@ -189,22 +297,43 @@ class LowRankKVAttention(Attention):
         self.B_k = nn.Parameter(torch.empty(H * d_h, r))
         self.B_v = nn.Parameter(torch.empty(H * d_h, r))
 
+    @classmethod
+    def check(cls, config):
+        if not 1 <= config.lrkv_rank <= config.head_dim:
+            config.reject("lrkv_rank", f"between 1 and head_dim = {config.head_dim}")
+
+    @classmethod
+    def legend_label(cls, config, peers):
+        return f"LRKV (r={config.lrkv_rank})"
+
+    @classmethod
+    def legend_key(cls, config):
+        return 1, config.lrkv_rank
+
+    def reset_parameters(self):
+        # W_shared and U_h have entries of variance 1/d, so B_h entries of std 0.1/sqrt(r) give
+        # ||U_h B_h^T||_F ~ sqrt(d d_h r) / sqrt(d) * 0.1/sqrt(r) = 0.1 sqrt(d_h) ~ 0.1 ||W_shared||_F,
+        # the paper's starting residual.
+        super().reset_parameters()
+        for factor in (self.B_k, self.B_v):
+            nn.init.normal_(factor, std=0.1 / math.sqrt(self.lrkv_rank))
+
     def cache_shapes(self):
         return {
             "k_shared": (self.head_dim,), "v_shared": (self.head_dim,),
-            "r_k": (self.n_head, self.rank), "r_v": (self.n_head, self.rank), "rho": (self.n_head,),
+            "r_k": (self.n_head, self.lrkv_rank), "r_v": (self.n_head, self.lrkv_rank), "rho": (self.n_head,),
         }
 
-    def residual(self, R, B):
-        """Every head's R_h B_h^T: (B, S, H, r) -> (B, S, H, d_h)."""
-        return torch.einsum("bshr,hdr->bshd", R, B.view(self.n_head, self.head_dim, self.rank))
+    def residual(self, R, factor):
+        """Every head's R_h B_h^T, factor being B_k or B_v: (B, S, H, r) -> (B, S, H, d_h)."""
+        return torch.einsum("bshr,hdr->bshd", R, factor.view(self.n_head, self.head_dim, self.lrkv_rank))
 
     def forward(self, x, rope, cache=None):
         B, T, _ = x.shape
         q = self.queries(x, rope)
         k_shared, v_shared = self.W_shared_k(x), self.W_shared_v(x)
-        r_k = self.U_k(x).view(B, T, self.n_head, self.rank)
-        r_v = self.U_v(x).view(B, T, self.n_head, self.rank)
+        r_k = self.U_k(x).view(B, T, self.n_head, self.lrkv_rank)
+        r_v = self.U_v(x).view(B, T, self.n_head, self.lrkv_rank)
         k = k_shared.unsqueeze(2) + self.residual(r_k, self.B_k)  # (B, T, H, d_h): K_h before norm and RoPE
         if cache is None:
             # training: materialise V_h so that q, k, v share one head dim and flash applies
@@ -222,7 +351,7 @@ class LowRankKVAttention(Attention):
             k = (k_shared.unsqueeze(2) + apply_rope(self.residual(r_k, self.B_k), rope)) / rho.unsqueeze(-1)
             S = v_shared.size(1)
             v = torch.cat((v_shared.unsqueeze(2).expand(B, S, self.n_head, self.head_dim), r_v), dim=-1)
-            y_shared, y_res = self.attend(q, k, v).split((self.head_dim, self.rank), dim=-1)
+            y_shared, y_res = self.attend(q, k, v).split((self.head_dim, self.lrkv_rank), dim=-1)
         # eq. 7: a_h V_h = a_h V_shared + (a_h R_h^V) (B_h^V)^T, with B_h^V applied once to the result
         return self.project_out(y_shared + self.residual(y_res, self.B_v))
 
@@ -243,12 +372,12 @@ class LowRankKVAttention(Attention):
         matrix built from q and B^K: one GEMM, the rebuild's S H r d_h multiply-adds without
         its (S, H, d_h) tensors and their norm and rotation. Values: eq. 7, a_h [V_shared | R_h^V],
         as two products so that V_shared is never copied per head."""
-        H, d_h, r, half = self.n_head, self.head_dim, self.rank, self.head_dim // 2
+        H, d_h, r, half = self.n_head, self.head_dim, self.lrkv_rank, self.head_dim // 2
         q = q[:, 0]  # (B, H, d_h)
         B, S = q.size(0), k_shared.size(1)
         q1, q2 = q.unsqueeze(-1).split(half, dim=-2)  # (B, H, d_h/2, 1)
-        B1, B2 = self.B_k.view(H, d_h, r).split(half, dim=1)  # (H, d_h/2, r)
-        M = torch.cat((q1 * B1 + q2 * B2, q1 * B2 - q2 * B1), dim=-2)  # (B, H, d_h, r)
+        Bk1, Bk2 = self.B_k.view(H, d_h, r).split(half, dim=1)  # (H, d_h/2, r): each B_h's rows i, then i'
+        M = torch.cat((q1 * Bk1 + q2 * Bk2, q1 * Bk2 - q2 * Bk1), dim=-2)  # (B, H, d_h, r)
         cos_sin = torch.cat(rope, dim=-1).to(q.dtype)  # (S, d_h)
         w = (cos_sin @ M.transpose(1, 2).flatten(2)).view(B, S, H, r)  # (B, S, H, r): B_h^T Rot_s^T q_h
         scores = q @ k_shared.transpose(1, 2) + (w * r_k).sum(-1).transpose(1, 2)  # (B, H, S)
@@ -259,9 +388,9 @@ class LowRankKVAttention(Attention):
         return y_shared.unsqueeze(1), y_res.unsqueeze(1)
 
     def head_qk_weights(self):
-        U = self.U_k.weight.view(self.n_head, self.rank, -1)
-        B = self.B_k.view(self.n_head, self.head_dim, self.rank)
-        Wk = self.W_shared_k.weight.t() + torch.einsum("hrc,hdr->hcd", U, B)
+        U = self.U_k.weight.view(self.n_head, self.lrkv_rank, -1)
+        Bk = self.B_k.view(self.n_head, self.head_dim, self.lrkv_rank)
+        Wk = self.W_shared_k.weight.t() + torch.einsum("hrc,hdr->hcd", U, Bk)
         return self.query_weights(), Wk
 
 
@@ -272,13 +401,30 @@ class MultiHeadLatentAttention(Attention):
     dims], d_h + d_R wide; values are d_h wide. Cache per token: d_c + d_R."""
 
     def __init__(self, config):
-        super().__init__(config, qk_dim=config.head_dim + config.rope_head_dim)
+        super().__init__(config, qk_dim=config.head_dim + config.rope_head_dim, rope_dim=config.rope_head_dim)
         d, H, d_h = config.n_embd, config.n_head, config.head_dim
-        self.kv_lora_rank, self.rope_dim = config.kv_lora_rank, config.rope_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
         self.W_down = nn.Linear(d, self.kv_lora_rank, bias=False)
         self.W_up_k = nn.Linear(self.kv_lora_rank, H * d_h, bias=False)
         self.W_up_v = nn.Linear(self.kv_lora_rank, H * d_h, bias=False)
         self.W_kr = nn.Linear(d, self.rope_dim, bias=False)
+
+    @classmethod
+    def check(cls, config):
+        if config.kv_lora_rank < 1:
+            config.reject("kv_lora_rank", "a positive integer")
+        if not (2 <= config.rope_head_dim <= config.head_dim and config.rope_head_dim % 2 == 0):
+            config.reject("rope_head_dim", f"even, from 2 to head_dim = {config.head_dim}")
+
+    @classmethod
+    def legend_label(cls, config, peers):
+        # d_c only where it tells the MLA runs apart
+        several = len({peer.kv_lora_rank for peer in peers}) > 1
+        return f"MLA (d_c={config.kv_lora_rank})" if several else "MLA"
+
+    @classmethod
+    def legend_key(cls, config):
+        return 3, config.kv_lora_rank
 
     def cache_shapes(self):
         return {"c": (self.kv_lora_rank,), "k_rope": (1, self.rope_dim)}
@@ -338,14 +484,14 @@ class MultiHeadLatentAttention(Attention):
         return self.query_weights(), torch.cat((Wk_nope, Wk_rope), dim=-1)
 
 
+# The variants, by the name that GPTConfig.attn (--attn) takes: the only list of them
 ATTENTION = {
-    "mha": lambda config: GroupedQueryAttention(config, n_kv_head=config.n_head),
-    "mqa": lambda config: GroupedQueryAttention(config, n_kv_head=1),
-    "gqa": lambda config: GroupedQueryAttention(config, n_kv_head=config.n_kv_head),
+    "mha": MultiHeadAttention,
+    "mqa": MultiQueryAttention,
+    "gqa": GroupedQueryAttention,
     "mla": MultiHeadLatentAttention,
     "lrkv": LowRankKVAttention,
 }
-ATTENTION_VARIANTS = tuple(ATTENTION)
 
 
 class MLP(nn.Module):
@@ -376,6 +522,7 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # one RoPE table for every layer, as wide as each q/k head's rotated part (Attention.rope_dim)
         cos, sin = rope_tables(self.blocks[0].attn.rope_dim, config.block_size, config.rope_theta)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -385,7 +532,9 @@ class GPT(nn.Module):
     def reset_parameters(self):
         """nanochat's init: unit-variance embeddings, a near-zero unembedding, inputs of every
         matrix at the variance of a 1/sqrt(fan_in) uniform, and zero output projections so that
-        each block starts as the identity."""
+        each block starts as the identity. Each attention layer zeroes its own W_o and draws what
+        else it holds (Attention.reset_parameters), in layer order after all the rest: the RNG's
+        order of draws is what makes a seed's init."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 bound = math.sqrt(3 / module.in_features)
@@ -393,14 +542,8 @@ class GPT(nn.Module):
         nn.init.normal_(self.wte.weight, std=1.0)
         nn.init.normal_(self.lm_head.weight, std=0.001)
         for block in self.blocks:
-            nn.init.zeros_(block.attn.W_o.weight)
+            block.attn.reset_parameters()  # zeroes W_o, then draws what else the variant holds
             nn.init.zeros_(block.mlp.W_out.weight)
-            if isinstance(block.attn, LowRankKVAttention):
-                # W_shared and U_h have entries of variance 1/d, so B_h entries of std
-                # 0.1/sqrt(r) give ||U_h B_h^T||_F ~ sqrt(d d_h r) / sqrt(d) * 0.1/sqrt(r)
-                # = 0.1 sqrt(d_h) ~ 0.1 ||W_shared||_F, the paper's starting residual.
-                for B in (block.attn.B_k, block.attn.B_v):
-                    nn.init.normal_(B, std=0.1 / math.sqrt(block.attn.rank))
 
     def forward(self, idx, targets=None, caches=None):
         """Logits (B, T, vocab) in fp32, and the mean cross-entropy if targets are given.
@@ -437,13 +580,12 @@ class GPT(nn.Module):
     def flops_per_token(self, seq_len=None):
         """Training FLOPs per token, forward and backward: 6 per weight of every matmul (each
         variant's own projections; the embedding is a lookup, not a matmul) plus 6 per
-        multiply-add of q k^T (d_qk wide) and a v (d_h wide) over seq_len keys (no discount for
-        the causal mask, the usual convention for MFU)."""
+        multiply-add of attention itself, q k^T and a v over seq_len keys, as each layer counts
+        them (Attention.attention_macs: no discount for the causal mask, the usual convention
+        for MFU)."""
         T = seq_len or self.config.block_size
         matmul_params = self.get_num_params() - self.wte.weight.numel()
-        attn = self.blocks[0].attn
-        attention = 6 * self.config.n_layer * self.config.n_head * (attn.qk_dim + attn.head_dim) * T
-        return 6 * matmul_params + attention
+        return 6 * matmul_params + 6 * sum(block.attn.attention_macs(T) for block in self.blocks)
 
     @torch.no_grad()
     def head_qk_weights(self):

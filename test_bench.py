@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from model import ATTENTION_VARIANTS, GPT, GPTConfig
+from model import ATTENTION, GPT, GPTConfig
 
 
 def strict_json(text):
@@ -33,7 +33,7 @@ def test_tiny_bench_writes_a_row_per_variant(tmp_path):
     )
     assert run.returncode == 0, run.stderr
     result = strict_json(out.read_text())
-    assert list(result["variants"]) == list(ATTENTION_VARIANTS)
+    assert list(result["variants"]) == list(ATTENTION)
     assert not list(tmp_path.glob("*.tmp"))
     batch, contexts = result["decode"]["batch_size"], result["decode"]["contexts"]
     for name, row in result["variants"].items():

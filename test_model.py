@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import GPT, ATTENTION_VARIANTS, GPTConfig, LowRankKVAttention
+from model import ATTENTION, GPT, GPTConfig
 
 TINY = GPTConfig(
     block_size=32, vocab_size=61, n_layer=2, n_head=4, n_embd=64, head_dim=16,
@@ -39,35 +39,69 @@ def naive_rope(x, positions, rot_dim, theta):
     return torch.cat((x_pass, z.real, z.imag), dim=-1)
 
 
+def rms(t):
+    return t / t.pow(2).mean(-1, keepdim=True).add(torch.finfo(t.dtype).eps).sqrt()
+
+
+def lin(t, layer):
+    return t @ layer.weight.double().t()
+
+
+def reference(table, attn, what):
+    """table[attn], or a failure that names the variant the table has no entry for."""
+    if attn not in table:
+        pytest.fail(f"no {what} for {attn}")
+    return table[attn]
+
+
+def grouped_keys_values(kv_heads):
+    """MHA, GQA, MQA: G = kv_heads(config) key/value heads, query head h reading head h G // H."""
+    def keys_values(attn, x, config):
+        H, G, d_h, T = config.n_head, kv_heads(config), config.head_dim, x.size(1)
+        k, v = (lin(x[0], W).view(T, G, d_h) for W in (attn.W_k, attn.W_v))
+        return [k[:, h * G // H] for h in range(H)], [v[:, h * G // H] for h in range(H)], d_h
+    return keys_values
+
+
+def lrkv_keys_values(attn, x, config):
+    """Eq. 6 per head: W_h = W_shared + B_h U_h, built whole."""
+    H, d_h, r = config.n_head, config.head_dim, config.lrkv_rank
+    U_k, U_v = (U.weight.double().view(H, r, -1) for U in (attn.U_k, attn.U_v))
+    B_k, B_v = (B.double().view(H, d_h, r) for B in (attn.B_k, attn.B_v))
+    W_k = [attn.W_shared_k.weight.double() + B_k[h] @ U_k[h] for h in range(H)]
+    W_v = [attn.W_shared_v.weight.double() + B_v[h] @ U_v[h] for h in range(H)]
+    return [x[0] @ W_k[h].t() for h in range(H)], [x[0] @ W_v[h].t() for h in range(H)], d_h
+
+
+def mla_keys_values(attn, x, config):
+    """Per head [up-projected latent | the shared RoPE key]; RoPE rotates the last d_R dims."""
+    H, d_h, T = config.n_head, config.head_dim, x.size(1)
+    c = rms(lin(x, attn.W_down))[0]
+    k_nope = lin(c, attn.W_up_k).view(T, H, d_h)
+    v_all = lin(c, attn.W_up_v).view(T, H, d_h)
+    k_rope = lin(x[0], attn.W_kr)
+    return [torch.cat((k_nope[:, h], k_rope), -1) for h in range(H)], [v_all[:, h] for h in range(H)], config.rope_head_dim
+
+
+# Each variant's keys and values from the paper's formulas, and how many of each key's last dims
+# RoPE rotates: (layer, x (1, T, d) float64, config) -> (H keys (T, d_qk), H values (T, d_h), rot_dim)
+NAIVE_KEYS_VALUES = {
+    "mha": grouped_keys_values(lambda config: config.n_head),
+    "gqa": grouped_keys_values(lambda config: config.n_kv_head),
+    "mqa": grouped_keys_values(lambda config: 1),
+    "lrkv": lrkv_keys_values,
+    "mla": mla_keys_values,
+}
+
+
 def naive_attention(attn, x, config):
     """One head at a time, softmax written out, keys and values from the paper's formulas."""
     x = x.double()
-    H, d_h, T = config.n_head, config.head_dim, x.size(1)
-    rms = lambda t: t / t.pow(2).mean(-1, keepdim=True).add(torch.finfo(t.dtype).eps).sqrt()
-    lin = lambda t, layer: t @ layer.weight.double().t()
+    H, T = config.n_head, x.size(1)
+    keys, values, rot_dim = reference(NAIVE_KEYS_VALUES, config.attn, "naive reference")(attn, x, config)
+    qk_dim = keys[0].size(-1)
     positions = torch.arange(T, dtype=torch.float64)
-    rot_dim = config.rope_head_dim if config.attn == "mla" else d_h
-    qk_dim = d_h + config.rope_head_dim if config.attn == "mla" else d_h
     Wq = attn.W_q.weight.double().view(H, qk_dim, -1)
-    if config.attn in ("mha", "gqa", "mqa"):
-        G = {"mha": H, "gqa": config.n_kv_head, "mqa": 1}[config.attn]
-        keys = [lin(x, attn.W_k).view(1, T, G, d_h)[0, :, h * G // H] for h in range(H)]
-        values = [lin(x, attn.W_v).view(1, T, G, d_h)[0, :, h * G // H] for h in range(H)]
-    elif config.attn == "lrkv":
-        r = config.lrkv_rank
-        U_k, U_v = (U.weight.double().view(H, r, -1) for U in (attn.U_k, attn.U_v))
-        B_k, B_v = (B.double().view(H, d_h, r) for B in (attn.B_k, attn.B_v))
-        W_k = [attn.W_shared_k.weight.double() + B_k[h] @ U_k[h] for h in range(H)]
-        W_v = [attn.W_shared_v.weight.double() + B_v[h] @ U_v[h] for h in range(H)]
-        keys = [x[0] @ W_k[h].t() for h in range(H)]
-        values = [x[0] @ W_v[h].t() for h in range(H)]
-    else:
-        c = rms(lin(x, attn.W_down))[0]
-        k_nope = lin(c, attn.W_up_k).view(T, H, d_h)
-        v_all = lin(c, attn.W_up_v).view(T, H, d_h)
-        k_rope = lin(x[0], attn.W_kr)
-        keys = [torch.cat((k_nope[:, h], k_rope), -1) for h in range(H)]
-        values = [v_all[:, h] for h in range(H)]
     heads = []
     for h in range(H):
         q = naive_rope(rms(x[0] @ Wq[h].t()), positions, rot_dim, config.rope_theta)
@@ -78,7 +112,7 @@ def naive_attention(attn, x, config):
     return torch.cat(heads, -1) @ attn.W_o.weight.double().t()
 
 
-@pytest.mark.parametrize("attn", ATTENTION_VARIANTS)
+@pytest.mark.parametrize("attn", ATTENTION)
 def test_attention_matches_naive_reference(attn):
     model = tiny_model(attn)
     layer = model.blocks[0].attn
@@ -89,7 +123,7 @@ def test_attention_matches_naive_reference(attn):
     torch.testing.assert_close(fast[0].double(), naive_attention(layer, x, model.config), atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("attn", ATTENTION_VARIANTS)
+@pytest.mark.parametrize("attn", ATTENTION)
 def test_forward_shapes_and_finite_loss(attn):
     model = GPT(replace(TINY, attn=attn))
     idx = torch.randint(0, TINY.vocab_size, (3, 10))
@@ -101,7 +135,7 @@ def test_forward_shapes_and_finite_loss(attn):
     assert model(idx)[1] is None
 
 
-@pytest.mark.parametrize("attn", ATTENTION_VARIANTS)
+@pytest.mark.parametrize("attn", ATTENTION)
 def test_tiny_model_overfits_one_batch(attn):
     torch.manual_seed(0)
     model = GPT(replace(TINY, attn=attn))
@@ -144,7 +178,7 @@ def test_lrkv_with_zero_residual_is_mqa():
 def test_lrkv_init_residual_is_a_tenth_of_the_shared_projection():
     torch.manual_seed(0)
     attn = GPT(GPTConfig(attn="lrkv", n_layer=1)).blocks[0].attn
-    H, d_h, r = attn.n_head, attn.head_dim, attn.rank
+    H, d_h, r = attn.n_head, attn.head_dim, attn.lrkv_rank
     for W_shared, U, B in ((attn.W_shared_k, attn.U_k, attn.B_k), (attn.W_shared_v, attn.U_v, attn.B_v)):
         U, B = U.weight.view(H, r, -1), B.view(H, d_h, r)
         for h in range(H):
@@ -152,7 +186,7 @@ def test_lrkv_init_residual_is_a_tenth_of_the_shared_projection():
             assert 0.08 < ratio < 0.12
 
 
-@pytest.mark.parametrize("attn", ATTENTION_VARIANTS)
+@pytest.mark.parametrize("attn", ATTENTION)
 def test_cached_decoding_equals_full_forward(attn):
     model = tiny_model(attn)
     idx = torch.randint(0, TINY.vocab_size, (2, 24))
@@ -165,7 +199,7 @@ def test_cached_decoding_equals_full_forward(attn):
     assert (torch.cat(pieces, dim=1) - full).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("attn", ATTENTION_VARIANTS)
+@pytest.mark.parametrize("attn", ATTENTION)
 def test_single_token_steps_match_a_chunk_over_64_positions(attn):
     """Single-token steps (LRKV's and MLA's decode_step) against one chunk after the same prefix,
     which rebuilds the keys, and against the full forward, over 64 positions."""
@@ -209,7 +243,7 @@ def test_lrkv_single_token_steps_build_no_cached_key(monkeypatch):
     assert key_positions == [1] * 56 * TINY.n_layer
 
 
-@pytest.mark.parametrize("attn", ATTENTION_VARIANTS)
+@pytest.mark.parametrize("attn", ATTENTION)
 def test_greedy_generation_is_the_same_with_and_without_cache(attn):
     model = tiny_model(attn)
     prompt = torch.randint(0, TINY.vocab_size, (2, 5))
@@ -232,21 +266,22 @@ PAPER_CACHE_MIB = {"mha": 72, "gqa": 36, "mqa": 12, "lrkv": 37.875, "mla": 9}
 DECODER_EXTRA_MIB = {"lrkv": 12 * 2048 * 6 * 2 / MIB}
 
 
-@pytest.mark.parametrize("attn", ATTENTION_VARIANTS)
+@pytest.mark.parametrize("attn", ATTENTION)
 def test_kv_cache_bytes_of_the_128m_model(attn):
     with torch.device("meta"):
         model = GPT(GPTConfig(attn=attn))
-    assert model.kv_cache_bytes(1, 2048, torch.bfloat16) == (PAPER_CACHE_MIB[attn] + DECODER_EXTRA_MIB.get(attn, 0)) * MIB
+    paper_mib = reference(PAPER_CACHE_MIB, attn, "cache size in the paper")
+    assert model.kv_cache_bytes(1, 2048, torch.bfloat16) == (paper_mib + DECODER_EXTRA_MIB.get(attn, 0)) * MIB
     H, d_h, c = model.config.n_head, model.config.head_dim, model.config
     per_token = {"mha": 2 * H * d_h, "gqa": 2 * c.n_kv_head * d_h, "mqa": 2 * d_h,
                  "mla": c.kv_lora_rank + c.rope_head_dim, "lrkv": 2 * d_h + 2 * H * c.lrkv_rank + H}
-    assert model.kv_cache_elements_per_token() == per_token[attn]
+    assert model.kv_cache_elements_per_token() == reference(per_token, attn, "cache elements per token")
     if attn == "lrkv":  # the paper's cache fraction 1/H + r/d_h = 52.6%, plus 1/(2 d_h) for the RMSs: 53.0%
         fraction = 1 / H + c.lrkv_rank / d_h + 1 / (2 * d_h)
         assert model.kv_cache_elements_per_token() / (2 * H * d_h) == pytest.approx(fraction)
 
 
-@pytest.mark.parametrize("attn", ATTENTION_VARIANTS)
+@pytest.mark.parametrize("attn", ATTENTION)
 def test_generation_allocates_exactly_the_predicted_cache(attn, monkeypatch):
     model = tiny_model(attn)
     allocated = []
@@ -279,22 +314,35 @@ def test_flops_per_token_counts_matmuls_and_attention():
     assert model.flops_per_token(32) == expected
 
 
-@pytest.mark.parametrize("attn", ATTENTION_VARIANTS)
+def grouped_head_keys(layer, x, c):
+    return layer.W_k(x).view(len(x), layer.n_kv_head, c.head_dim).repeat_interleave(c.n_head // layer.n_kv_head, dim=1)
+
+
+def lrkv_head_keys(layer, x, c):
+    return layer.W_shared_k(x)[:, None] + layer.residual(layer.U_k(x).view(1, len(x), c.n_head, c.lrkv_rank), layer.B_k)[0]
+
+
+def mla_head_keys(layer, x, c):  # the latent norm taken as identity
+    k_nope = layer.W_up_k(layer.W_down(x)).view(len(x), c.n_head, c.head_dim)
+    return torch.cat((k_nope, layer.W_kr(x)[:, None].expand(len(x), c.n_head, c.rope_head_dim)), dim=-1)
+
+
+# Each variant's per-head keys (N, H, d_qk) for x (N, d), from its own projections, before the QK
+# norm and RoPE
+HEAD_KEYS = {"mha": grouped_head_keys, "gqa": grouped_head_keys, "mqa": grouped_head_keys,
+             "lrkv": lrkv_head_keys, "mla": mla_head_keys}
+
+
+@pytest.mark.parametrize("attn", ATTENTION)
 def test_head_qk_weights_match_each_variants_projections(attn):
     model = tiny_model(attn)
     layer, c = model.blocks[1].attn, model.config
     x = torch.randn(5, c.n_embd)
     Wq, Wk = model.head_qk_weights()[1]
     assert Wq.shape == Wk.shape == (c.n_head, c.n_embd, layer.qk_dim)
-    H, d_h = c.n_head, c.head_dim
+    H = c.n_head
     q = layer.W_q(x).view(5, H, layer.qk_dim)
-    if attn in ("mha", "gqa", "mqa"):
-        k = layer.W_k(x).view(5, layer.n_kv_head, d_h).repeat_interleave(H // layer.n_kv_head, dim=1)
-    elif attn == "lrkv":
-        k = layer.W_shared_k(x)[:, None] + layer.residual(layer.U_k(x).view(1, 5, H, c.lrkv_rank), layer.B_k)[0]
-    else:  # the latent norm taken as identity
-        k_nope = layer.W_up_k(layer.W_down(x)).view(5, H, d_h)
-        k = torch.cat((k_nope, layer.W_kr(x)[:, None].expand(5, H, c.rope_head_dim)), dim=-1)
+    k = reference(HEAD_KEYS, attn, "per-head keys")(layer, x, c)
     for h in range(H):
         torch.testing.assert_close(x @ Wq[h], q[:, h], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(x @ Wk[h], k[:, h], atol=1e-5, rtol=1e-5)

@@ -18,6 +18,7 @@ import gc
 import json
 import math
 import os
+import pickle
 import sys
 import time
 import typing
@@ -389,24 +390,89 @@ def evaluate(model, val_tokens, bytes_per_token, block_size, batch_size, autocas
     return nats / (len(windows) * block_size), byte_nats / (math.log(2) * nbytes)
 
 
+# The checkpoint's format: checkpoint_dict builds it, load_checkpoint and restore read it back.
+EVALS = ("val_loss", "val_bpb", "best_val_loss", "best_val_bpb")
+
+
+def checkpoint_dict(model, model_config, cfg, optimizers, step, evals, meta, device):
+    """What ckpt.pt holds: the weights and the GPTConfig they make a model of (model_args), the
+    optimizers' states, the step, the evaluations so far (EVALS), the run's TrainConfig, its data's
+    meta.json and the RNG states, so that --resume goes on exactly where the run stopped."""
+    return dict(
+        model=model.state_dict(),
+        model_args=dataclasses.asdict(model_config),
+        optimizers=[opt.state_dict() for opt in optimizers],
+        step=step,
+        **evals,
+        config=dataclasses.asdict(cfg),
+        tokenizer=meta,
+        rng=dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None),
+    )
+
+
 def save_checkpoint(path, checkpoint):
     """Write path atomically: a process killed while saving leaves the previous checkpoint whole."""
     with atomic_open(path) as f:
         torch.save(checkpoint, f)
 
 
+def load_checkpoint(path):
+    """(ckpt, model): a checkpoint_dict read back, and the GPT of its model_args holding its
+    weights, or a ConfigError of one line that starts with the path. weights_only: reading a
+    checkpoint can never run code. mmap and a model built on the meta device: nothing is read or
+    initialised but the weights the caller touches, which keeps analyze.py on six 128M
+    checkpoints to seconds. The model's RoPE tables are left on the meta device: to run the
+    weights, load them into a GPT built on a device (restore does)."""
+    def bad(problem):
+        return ConfigError(f"{path}: {problem}")
+
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except OSError as e:
+        raise bad(e.strerror) from None
+    except pickle.UnpicklingError:
+        raise bad("refused: it holds Python objects that loading with weights_only=True does not allow") from None
+    except Exception:  # what else torch.load raises (mostly RuntimeError) says the file is no checkpoint
+        raise bad("not a PyTorch checkpoint") from None
+    if not isinstance(ckpt, dict):
+        raise bad(f"not a train.py checkpoint: it holds a {type(ckpt).__name__}, not a dict")
+    for key in ("model_args", "model"):
+        if key not in ckpt:
+            raise bad(f"not a train.py checkpoint: it has no {key!r}")
+    try:
+        with torch.device("meta"):
+            model = GPT(GPTConfig(**ckpt["model_args"]))
+        model.load_state_dict(ckpt["model"], assign=True)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise bad("model_args and weights do not make a GPT: " + " ".join(str(e).split())) from None
+    return ckpt, model
+
+
+def restore(checkpoint, model, optimizers, device):
+    """Put load_checkpoint's (ckpt, model) back into a run: the weights into model, the states
+    into optimizers and the RNGs. Returns the step and the evaluations, {EVALS key: value}."""
+    ckpt, saved = checkpoint
+    model.load_state_dict(saved.state_dict())
+    for opt, state in zip(optimizers, ckpt["optimizers"]):
+        opt.load_state_dict(state)
+    torch.set_rng_state(ckpt["rng"]["torch"])
+    if device.type == "cuda" and ckpt["rng"]["cuda"] is not None:
+        torch.cuda.set_rng_state(ckpt["rng"]["cuda"], device)
+    return ckpt["step"], {k: ckpt[k] for k in EVALS}
+
+
 def load_resume_checkpoint(cfg, model_config):
-    """out_dir/ckpt.pt, checked to hold the model and optimizer that the flags describe."""
+    """load_checkpoint(out_dir/ckpt.pt), checked to hold the model and optimizer that the flags describe."""
     path = Path(cfg.out_dir) / "ckpt.pt"
     if not path.exists():
         raise ConfigError(f"--resume: there is no {path} to resume from")
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    ckpt, model = load_checkpoint(path)
     saved = {**ckpt["model_args"], "optimizer": ckpt["config"]["optimizer"]}
     wanted = {**dataclasses.asdict(model_config), "optimizer": cfg.optimizer}
     changed = ", ".join(f"{k}={saved[k]!r} (flags: {wanted.get(k)!r})" for k in saved if saved[k] != wanted.get(k))
     if changed:
         raise ConfigError(f"--resume: {path} was trained with {changed}; give the flags of the run it continues")
-    return ckpt
+    return ckpt, model
 
 
 def log(out_dir, record, line):
@@ -452,7 +518,7 @@ def main(argv=None):
                               f"sequences each of {world_size} processes takes a step")
         data = load_data(cfg, model_config)
         device = pick_device(cfg.device, local_rank)
-        ckpt = load_resume_checkpoint(cfg, model_config) if cfg.resume else None
+        resumed = load_resume_checkpoint(cfg, model_config) if cfg.resume else None
     except ConfigError as e:
         if rank == 0:
             print(f"train.py: {e}", file=sys.stderr)
@@ -461,10 +527,10 @@ def main(argv=None):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world_size == 1:
-        return train(model_config, cfg, data, device, ckpt, micro_batch, rank, world_size)
+        return train(model_config, cfg, data, device, resumed, micro_batch, rank, world_size)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
-        return train(model_config, cfg, data, device, ckpt, micro_batch, rank, world_size)
+        return train(model_config, cfg, data, device, resumed, micro_batch, rank, world_size)
     finally:
         # DDP sits in reference cycles, which only the garbage collector frees: free it now, while
         # the process group and the interpreter are whole (at exit, gloo's threads can abort the process)
@@ -472,8 +538,8 @@ def main(argv=None):
         dist.destroy_process_group()
 
 
-def train(model_config, cfg, data, device, ckpt, micro_batch, rank, world_size):
-    """Train from ckpt (None: from the start) up to step min(max_steps, stop_after); the exit code."""
+def train(model_config, cfg, data, device, resumed, micro_batch, rank, world_size):
+    """Train from load_checkpoint's (ckpt, model) (None: from the start) up to step min(max_steps, stop_after); the exit code."""
     meta, batches, val_tokens, bytes_per_token = data
     is_main, ddp = rank == 0, world_size > 1
     dtype = cfg.dtype if cfg.dtype != "auto" else "bfloat16" if device.type == "cuda" else "float32"
@@ -484,15 +550,9 @@ def train(model_config, cfg, data, device, ckpt, micro_batch, rank, world_size):
     torch.manual_seed(cfg.seed)
     raw_model = GPT(model_config).to(device)
     optimizers = configure_optimizers(raw_model, cfg)
-    step, evals = 0, dict(val_loss=None, val_bpb=None, best_val_loss=None, best_val_bpb=None)
-    if ckpt is not None:
-        raw_model.load_state_dict(ckpt["model"])
-        for opt, state in zip(optimizers, ckpt["optimizers"]):
-            opt.load_state_dict(state)
-        step, evals = ckpt["step"], {k: ckpt[k] for k in evals}
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        if device.type == "cuda" and ckpt["rng"]["cuda"] is not None:
-            torch.cuda.set_rng_state(ckpt["rng"]["cuda"], device)
+    step, evals = 0, dict.fromkeys(EVALS)
+    if resumed is not None:
+        step, evals = restore(resumed, raw_model, optimizers, device)
     model = torch.compile(raw_model) if compile else raw_model
     train_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if ddp else model
     bytes_per_token = bytes_per_token.to(device)
@@ -506,7 +566,7 @@ def train(model_config, cfg, data, device, ckpt, micro_batch, rank, world_size):
     out_dir, ckpt_path = Path(cfg.out_dir), Path(cfg.out_dir) / "ckpt.pt"
     if is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
-        start_log(out_dir, step if ckpt is not None else None)
+        start_log(out_dir, step if resumed is not None else None)
         n_params = raw_model.get_num_params()
         print(f"{model_config.attn}: {n_params / 1e6:.1f}M parameters, "
               f"{raw_model.kv_cache_elements_per_token()} KV cache elements per token per layer | "
@@ -572,17 +632,8 @@ def train(model_config, cfg, data, device, ckpt, micro_batch, rank, world_size):
             if is_main:
                 log(out_dir, dict(step=step, val_loss=val_loss, val_bpb=val_bpb),
                     f"step {step} | val loss {val_loss:.4f} | val bpb {val_bpb:.4f}")
-                save_checkpoint(ckpt_path, dict(
-                    model=raw_model.state_dict(),
-                    model_args=dataclasses.asdict(model_config),
-                    optimizers=[opt.state_dict() for opt in optimizers],
-                    step=step,
-                    **evals,
-                    config=dataclasses.asdict(cfg),
-                    tokenizer=meta,
-                    rng=dict(torch=torch.get_rng_state(),
-                             cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None),
-                ))
+                save_checkpoint(ckpt_path, checkpoint_dict(raw_model, model_config, cfg, optimizers, step, evals,
+                                                           meta, device))
             t0, timed_steps = time.perf_counter(), 0
     return 0
 
