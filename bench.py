@@ -1,13 +1,13 @@
 """
-What each attention variant costs, all at one configuration, in one process, one after another.
+What each attention variant costs, all at one configuration, in one process.
 
 Training: forward, backward and train.py's optimizer step on random tokens (on a GPU with bf16
 autocast and torch.compile), timed after warm-up, median of several steps: ms, tokens/s, MFU and
 the time relative to MHA.
 
 Decoding: prefill a prompt, then feed one token at a time until the KV cache, sized to the
-context length, is full: ms per new token, timed step by step (median) and back to back (see
-bench_decode), tokens/s, the MiB its buffers hold and their share of MHA's. At the shortest
+context length, is full, every variant in turn over several rounds (bench_decode): ms per new
+token back to back and a step alone, tokens/s, the MiB its buffers hold and their share of MHA's. At the shortest
 context, generate() with and without the cache shows what the cache buys. Decoding runs in bf16
 on a GPU, weights and cache alike, as a server would hold them (autocast would re-cast every
 weight at every token), and in fp32 on a CPU. It is not compiled: the caches grow by one
@@ -16,8 +16,8 @@ position a step, so on a GPU every step also pays its kernel launches.
     python bench.py --preset=cpu
     python bench.py --preset=128m --device=cuda --check --out=bench_gpu.json
 
-Prints markdown tables and writes the same numbers to --out as JSON, rewritten after each variant
-so that a run cut short keeps what it measured.
+Prints markdown tables and writes the same numbers to --out as JSON, rewritten after each
+variant's training and after decoding, so that a run cut short keeps what it measured.
 """
 
 import argparse
@@ -57,6 +57,7 @@ PRESETS = {
                  batch_size=2, seq_len=64, warmup=1, steps=2, decode_batch=2, contexts=(32, 64), new_tokens=4),
 }
 DECODE_WARMUP = 2  # untimed tokens after each prefill
+DECODE_ROUNDS = 5  # rounds of interleaved decoding (bench_decode)
 # the backends F.scaled_dot_product_attention may pick on a GPU for training (math is its fallback)
 SDPA_BACKENDS = dict(flash=SDPBackend.FLASH_ATTENTION, cudnn=SDPBackend.CUDNN_ATTENTION,
                      efficient=SDPBackend.EFFICIENT_ATTENTION)
@@ -195,48 +196,62 @@ def bench_train(config, preset, device, compile, profile):
 
 
 @torch.inference_mode()
-def bench_decode(config, preset, device, dtype):
-    """Per context: the n steps that fill the cache, timed twice over the same positions. Each step
-    on its own (the device drained before and after it; median): the latency of one token. Back
-    to back with one drain at the end (mean), as generate() runs them: there the host queues the
-    next step while the device runs this one, so on a GPU launch overhead hides behind work."""
-    model = inference_model(config, device, dtype)
+def bench_decode(configs, preset, device, dtype):
+    """{variant: (rows, generate's row)} for every config at once, interleaved. Per context, each
+    variant is prefilled to the same position; then in each of DECODE_ROUNDS rounds every variant
+    in turn runs the n steps that fill its cache, over the same positions each round, twice: each
+    step on its own (the device drained before and after it) and back to back with one drain at
+    the end, as generate() runs them (on a GPU the host then queues the next step while the
+    device runs this one). A machine whose load drifts (a busy CPU) slows every variant of a round
+    alike, where variants measured one after another would each see another load. ms_per_token:
+    the median of the back-to-back rounds; step_alone_ms_per_token: the median single step."""
     B, n = preset["decode_batch"], preset["new_tokens"]
-    rows = []
+    models = {attn: inference_model(config, device, dtype) for attn, config in configs.items()}
+    rows = {attn: [] for attn in configs}
     for L in preset["contexts"]:
-        caches = model.new_caches(B, L, dtype)
-        prompt = torch.randint(config.vocab_size, (B, L - DECODE_WARMUP - n), device=device)
-        token = model(prompt, caches=caches)[0][:, -1:].argmax(-1)
-        for _ in range(DECODE_WARMUP):
-            token = model(token, caches=caches)[0].argmax(-1)
-        start, times = caches[0].pos, []
-        for _ in range(n):
-            t0 = clock(device)
-            token = model(token, caches=caches)[0].argmax(-1)
-            times.append(clock(device) - t0)
-        for cache in caches:
-            cache.pos = start  # overwrite the same n positions
-        t0 = clock(device)
-        for _ in range(n):
-            token = model(token, caches=caches)[0].argmax(-1)
-        back_to_back = 1000 * (clock(device) - t0) / n
-        ms = 1000 * statistics.median(times)
-        mib = sum(buf.nbytes for cache in caches for buf in cache.buffers()) / MIB
-        rows.append(dict(context=L, ms_per_token=ms, tokens_per_s=B * 1000 / ms, back_to_back_ms_per_token=back_to_back,
-                         cache_mib=mib))
+        prompt = torch.randint(next(iter(configs.values())).vocab_size, (B, L - DECODE_WARMUP - n), device=device)
+        state = {}
+        for attn, model in models.items():
+            caches = model.new_caches(B, L, dtype)
+            token = model(prompt, caches=caches)[0][:, -1:].argmax(-1)
+            for _ in range(DECODE_WARMUP):
+                token = model(token, caches=caches)[0].argmax(-1)
+            state[attn] = (caches, caches[0].pos, token, [], [])
+        for _ in range(DECODE_ROUNDS):
+            for attn, (caches, start, token, alone, back_to_back) in state.items():
+                for cache in caches:
+                    cache.pos = start
+                for _ in range(n):
+                    t0 = clock(device)
+                    token = models[attn](token, caches=caches)[0].argmax(-1)
+                    alone.append(clock(device) - t0)
+                for cache in caches:
+                    cache.pos = start
+                t0 = clock(device)
+                for _ in range(n):
+                    token = models[attn](token, caches=caches)[0].argmax(-1)
+                back_to_back.append((clock(device) - t0) / n)
+        for attn, (caches, _, _, alone, back_to_back) in state.items():
+            ms = 1000 * statistics.median(back_to_back)
+            mib = sum(buf.nbytes for cache in caches for buf in cache.buffers()) / MIB
+            rows[attn].append(dict(context=L, ms_per_token=ms, tokens_per_s=B * 1000 / ms,
+                                   step_alone_ms_per_token=1000 * statistics.median(alone), cache_mib=mib))
+        del state
     # generate() prefills and samples as a user would: per new token, prefill included, and (from
-    # the difference with a 1-token call) per step alone, at the same batch and context as the
-    # first row's back-to-back steps
-    prompt = torch.randint(config.vocab_size, (B, preset["contexts"][0] - n), device=device)
-    seconds = {}
-    for use_cache, new in ((True, 1), (True, n), (False, n)):
-        t0 = clock(device)
-        model.generate(prompt, new, temperature=0, use_cache=use_cache)
-        seconds[use_cache, new] = clock(device) - t0
-    cached, uncached = 1000 * seconds[True, n] / n, 1000 * seconds[False, n] / n
-    step = 1000 * (seconds[True, n] - seconds[True, 1]) / (n - 1)
-    return rows, dict(context=preset["contexts"][0], new_tokens=n, cached_ms_per_token=cached, cached_ms_per_step=step,
-                      uncached_ms_per_token=uncached, speedup=uncached / cached)
+    # the difference with a 1-token call) per step, at the same batch and context as the first row
+    prompt = torch.randint(next(iter(configs.values())).vocab_size, (B, preset["contexts"][0] - n), device=device)
+    result = {}
+    for attn, model in models.items():
+        seconds = {}
+        for use_cache, new in ((True, 1), (True, n), (False, n)):
+            t0 = clock(device)
+            model.generate(prompt, new, temperature=0, use_cache=use_cache)
+            seconds[use_cache, new] = clock(device) - t0
+        cached, uncached = 1000 * seconds[True, n] / n, 1000 * seconds[False, n] / n
+        step = 1000 * (seconds[True, n] - seconds[True, 1]) / (n - 1)
+        result[attn] = rows[attn], dict(context=preset["contexts"][0], new_tokens=n, cached_ms_per_token=cached,
+                                        cached_ms_per_step=step, uncached_ms_per_token=uncached, speedup=uncached / cached)
+    return result
 
 
 def save(result, path):
@@ -262,13 +277,14 @@ def markdown(result):
                          f"{mfu} | {t['x_mha']:.2f} |")
     if "decode" in variants["mha"]:
         lines += ["", f"Decoding: batch {de['batch_size']}, {de['dtype']}, the {de['new_tokens']} new tokens that fill the "
-                      "cache up to the context; ms/token: each step alone, median; back to back: the same steps, one sync", "",
-                  "| variant | context | ms/token | tokens/s | ms/token back to back | cache MiB | % of MHA cache | x MHA time |",
+                      f"cache up to the context, every variant in turn in each of {de['rounds']} rounds; ms/token: back to "
+                      "back, one sync, median round; a step alone: synced before and after, median step", "",
+                  "| variant | context | ms/token | tokens/s | ms a step alone | cache MiB | % of MHA cache | x MHA time |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for name, v in variants.items():
             for d in v["decode"]:
                 lines.append(f"| {name} | {d['context']} | {d['ms_per_token']:.2f} | {d['tokens_per_s']:,.0f} | "
-                             f"{d['back_to_back_ms_per_token']:.2f} | {d['cache_mib']:.1f} | {d['cache_pct_mha']:.1f} | "
+                             f"{d['step_alone_ms_per_token']:.2f} | {d['cache_mib']:.1f} | {d['cache_pct_mha']:.1f} | "
                              f"{d['x_mha']:.2f} |")
         if "lrkv" in variants:
             lines += ["", f"LRKV's cache is {variants['lrkv']['decode'][0]['cache_pct_mha']:.2f}% of MHA's; 1/H + r/d_h "
@@ -329,7 +345,7 @@ def main(argv=None):
         train=dict(batch_size=preset["batch_size"], seq_len=preset["seq_len"], warmup=preset["warmup"], steps=preset["steps"],
                    dtype="bf16 autocast" if device.type == "cuda" else "fp32", compile=compile),
         decode=dict(batch_size=preset["decode_batch"], contexts=list(preset["contexts"]), new_tokens=preset["new_tokens"],
-                    dtype=str(dtype).removeprefix("torch.")),
+                    rounds=DECODE_ROUNDS, dtype=str(dtype).removeprefix("torch.")),
         variants={},
     )
     if args.check and device.type == "cuda":
@@ -355,14 +371,20 @@ def main(argv=None):
                 torch._dynamo.reset()  # five models' graphs in one process would exhaust dynamo's caches
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        if args.only != "train":
-            row["decode"], row["uncached"] = bench_decode(config, preset, device, dtype)
-            for d, m in zip(row["decode"], result["variants"]["mha"]["decode"]):
+        save(result, args.out)
+    if args.only != "train":
+        log("decoding, every variant in turn")
+        decoded = bench_decode({attn: GPTConfig(attn=attn, **preset["model"]) for attn in result["variants"]},
+                               preset, device, dtype)
+        for attn, (rows, uncached) in decoded.items():
+            row = result["variants"][attn]
+            row["decode"], row["uncached"] = rows, uncached
+            for d, m in zip(rows, decoded["mha"][0]):
                 d["cache_pct_mha"] = 100 * d["cache_mib"] / m["cache_mib"]
                 d["x_mha"] = d["ms_per_token"] / m["ms_per_token"]
-            log(f"{attn}: decoding " + ", ".join(f"{d['ms_per_token']:.2f} ms/token ({d['back_to_back_ms_per_token']:.2f} "
-                                                 f"back to back) at {d['context']}" for d in row["decode"])
-                + f"; without the cache {row['uncached']['speedup']:.1f}x the time")
+            log(f"{attn}: decoding " + ", ".join(f"{d['ms_per_token']:.2f} ms/token ({d['step_alone_ms_per_token']:.2f} "
+                                                 f"a step alone) at {d['context']}" for d in rows)
+                + f"; without the cache {uncached['speedup']:.1f}x the time")
         save(result, args.out)
     print(markdown(result))
     log(f"wrote {args.out}")
