@@ -8,7 +8,6 @@ import json
 
 import pytest
 import torch
-import torch.nn as nn
 
 import analyze
 import bench
@@ -16,26 +15,16 @@ import model
 import test_analyze
 import test_model
 import train
-from model import Attention, apply_rope, norm
+from model import GroupedQueryAttention, apply_rope, norm
 from test_train import data_dir, flags  # noqa: F401 (data_dir is a fixture)
 
 NAME = "gqa_interleaved"
 
 
-class InterleavedGroupedQueryAttention(Attention):
+class InterleavedGroupedQueryAttention(GroupedQueryAttention):
     """G = config.n_kv_head key/value heads, query head h reading head h mod G, so that neighbouring
-    query heads read different keys. Cache per token: 2 G d_h, as GQA's."""
-
-    def __init__(self, config):
-        super().__init__(config)
-        self.n_kv_head = config.n_kv_head
-        self.W_k = nn.Linear(config.n_embd, self.n_kv_head * config.head_dim, bias=False)
-        self.W_v = nn.Linear(config.n_embd, self.n_kv_head * config.head_dim, bias=False)
-
-    @classmethod
-    def check(cls, config):
-        if not (1 <= config.n_kv_head <= config.n_head and config.n_head % config.n_kv_head == 0):
-            config.reject("n_kv_head", f"a divisor of n_head = {config.n_head}")
+    query heads read different keys. GQA's projections, checks and cache (2 G d_h per token); only
+    which query head reads which key/value head differs."""
 
     @classmethod
     def legend_label(cls, config, peers):
@@ -44,9 +33,6 @@ class InterleavedGroupedQueryAttention(Attention):
     @classmethod
     def legend_key(cls, config):
         return 5, config.n_kv_head
-
-    def cache_shapes(self):
-        return {"k": (self.n_kv_head, self.head_dim), "v": (self.n_kv_head, self.head_dim)}
 
     def forward(self, x, rope, cache=None):
         B, T, _ = x.shape
