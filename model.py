@@ -8,8 +8,8 @@ full-rank query heads W_q and the output projection W_o.
 
 Training runs one F.scaled_dot_product_attention call per layer over full per-head keys and
 values. Decoding keeps a KVCache per layer holding what each variant must remember per token
-(Attention.cache_shapes), and rebuilds keys from it where RoPE and the QK norm leave no exact
-shortcut: MLA's at every step, LRKV's only for several tokens at once (see decode_step).
+(Attention.cache_shapes). LRKV and MLA rebuild keys from it only for several tokens at once;
+a single new token goes through their exact decode_step, which never builds per-head keys.
 """
 
 import math
@@ -96,7 +96,8 @@ class KVCache(nn.Module):
 # SDPA backends on a GPU. Flash attention needs fp16/bf16, the same head dim (<= 256) for q, k
 # and v, and no explicit mask (is_causal is fine); it takes enable_gqa, so MQA/GQA never copy
 # K/V per head. Every variant below trains flash-eligible: MLA's q/k heads are d_h + d_R wide
-# (DeepSeek-V2's 128 + 64) and its values d_h, so it zero-pads v to the q/k width.
+# (DeepSeek-V2's 128 + 64) and its values d_h, so it zero-pads v to the q/k width. On an H200
+# PyTorch picks cuDNN attention for all five, which ran faster than flash there (README).
 # Decoding a chunk after a prefix needs an explicit mask (memory-efficient or math backend),
 # and the absorbed value forms (v wider than q/k) are likewise not flash-eligible.
 class Attention(nn.Module):
