@@ -7,8 +7,8 @@ the time relative to MHA.
 
 Decoding: prefill a prompt, then feed one token at a time until the KV cache, sized to the
 context length, is full, every variant in turn over several rounds (bench_decode): ms per new
-token back to back and a step alone, tokens/s, the MiB its buffers hold and their share of MHA's. At the shortest
-context, generate() with and without the cache shows what the cache buys. Decoding runs in bf16
+token back to back and a step alone, tokens/s, the MiB its buffers hold and their share of
+MHA's. At the shortest context, generate() with and without the cache shows what the cache buys. Decoding runs in bf16
 on a GPU, weights and cache alike, as a server would hold them (autocast would re-cast every
 weight at every token), and in fp32 on a CPU. It is not compiled: the caches grow by one
 position a step, so on a GPU every step also pays its kernel launches.
@@ -56,6 +56,9 @@ PRESETS = {
                             n_kv_head=2, kv_lora_rank=16, rope_head_dim=8, lrkv_rank=4),
                  batch_size=2, seq_len=64, warmup=1, steps=2, decode_batch=2, contexts=(32, 64), new_tokens=4),
 }
+# Every row is relative to the registry's first variant, MHA, as the paper compares everything with
+# it; the JSON keys x_mha and cache_pct_mha say so
+BASELINE = next(iter(ATTENTION))
 DECODE_WARMUP = 2  # untimed tokens after each prefill
 DECODE_ROUNDS = 5  # rounds of interleaved decoding (bench_decode)
 # the backends F.scaled_dot_product_attention may pick on a GPU for training (math is its fallback)
@@ -266,7 +269,7 @@ def backend_times(ms):
 def markdown(result):
     variants, tr, de, c = result["variants"], result["train"], result["decode"], result["config"]
     lines = [f"bench.py --preset={result['preset']}: {result['device']}, torch {result['torch']}, {result['date']}"]
-    if "train" in variants["mha"]:
+    if "train" in variants[BASELINE]:
         lines += ["", f"Training: {tr['batch_size']} x {tr['seq_len']} tokens a step, {tr['dtype']}, "
                       f"{'compiled' if tr['compile'] else 'eager'}, median of {tr['steps']} steps after {tr['warmup']}", "",
                   "| variant | ms/step | of which optimizer | tokens/s | MFU | x MHA |", "|---|---:|---:|---:|---:|---:|"]
@@ -275,7 +278,7 @@ def markdown(result):
             mfu = "-" if t["mfu"] is None else f"{100 * t['mfu']:.1f}%"
             lines.append(f"| {name} | {t['ms_per_step']:.1f} | {t['optimizer_ms']:.1f} | {t['tokens_per_s']:,.0f} | "
                          f"{mfu} | {t['x_mha']:.2f} |")
-    if "decode" in variants["mha"]:
+    if "decode" in variants[BASELINE]:
         lines += ["", f"Decoding: batch {de['batch_size']}, {de['dtype']}, the {de['new_tokens']} new tokens that fill the "
                       f"cache up to the context, every variant in turn in each of {de['rounds']} rounds; ms/token: back to "
                       "back, one sync, median round; a step alone: synced before and after, median step", "",
@@ -286,10 +289,6 @@ def markdown(result):
                 lines.append(f"| {name} | {d['context']} | {d['ms_per_token']:.2f} | {d['tokens_per_s']:,.0f} | "
                              f"{d['step_alone_ms_per_token']:.2f} | {d['cache_mib']:.1f} | {d['cache_pct_mha']:.1f} | "
                              f"{d['x_mha']:.2f} |")
-        if "lrkv" in variants:
-            lines += ["", f"LRKV's cache is {variants['lrkv']['decode'][0]['cache_pct_mha']:.2f}% of MHA's; 1/H + r/d_h "
-                          f"+ 1/(2 d_h) (the paper's, plus each head's key RMS) = "
-                          f"{100 * (1 / c['n_head'] + c['lrkv_rank'] / c['head_dim'] + 1 / (2 * c['head_dim'])):.2f}%"]
         lines += ["", f"generate() with and without the cache: batch {de['batch_size']}, {de['new_tokens']} new tokens "
                       f"after {de['contexts'][0] - de['new_tokens']}, ms per new token, prefill included, and per step alone", "",
                   "| variant | cached | cached, per step | uncached | cache speedup |", "|---|---:|---:|---:|---:|"]
@@ -297,7 +296,7 @@ def markdown(result):
             u = v["uncached"]
             lines.append(f"| {name} | {u['cached_ms_per_token']:.2f} | {u['cached_ms_per_step']:.2f} | "
                          f"{u['uncached_ms_per_token']:.2f} | {u['speedup']:.1f}x |")
-    if "check" in variants["mha"]:
+    if "check" in variants[BASELINE]:
         lines += ["", "| variant | flash attention, forward and backward | attention in the training step | "
                       "cached vs full logits, rel. error |", "|---|---|---|---|"]
         for name, v in variants.items():
@@ -349,10 +348,10 @@ def main(argv=None):
         variants={},
     )
     if args.check and device.type == "cuda":
-        ms = result["mha_sdpa_ms"] = sdpa_backend_ms(GPTConfig(attn="mha", **preset["model"]), preset, device)
-        log(f"mha, eager, per SDPA backend: {backend_times(ms)}")
+        ms = result["mha_sdpa_ms"] = sdpa_backend_ms(GPTConfig(attn=BASELINE, **preset["model"]), preset, device)
+        log(f"{BASELINE}, eager, per SDPA backend: {backend_times(ms)}")
         save(result, args.out)
-    for attn in dict.fromkeys(("mha", *args.attn)):
+    for attn in dict.fromkeys((BASELINE, *args.attn)):
         config = GPTConfig(attn=attn, **preset["model"])
         row = result["variants"][attn] = {}
         if args.check:
@@ -362,7 +361,7 @@ def main(argv=None):
         if args.only != "decode":
             log(f"{attn}: training")
             row["train"] = bench_train(config, preset, device, compile, profile=args.check)
-            row["train"]["x_mha"] = row["train"]["ms_per_step"] / result["variants"]["mha"]["train"]["ms_per_step"]
+            row["train"]["x_mha"] = row["train"]["ms_per_step"] / result["variants"][BASELINE]["train"]["ms_per_step"]
             t = row["train"]
             log(f"{attn}: {t['ms_per_step']:.1f} ms/step ({t['optimizer_ms']:.1f} optimizer), {t['tokens_per_s']:,.0f} tokens/s"
                 + (f", MFU {100 * t['mfu']:.1f}%, {t['max_memory_gib']:.1f} GiB" if t["mfu"] is not None else "")
@@ -379,7 +378,7 @@ def main(argv=None):
         for attn, (rows, uncached) in decoded.items():
             row = result["variants"][attn]
             row["decode"], row["uncached"] = rows, uncached
-            for d, m in zip(rows, decoded["mha"][0]):
+            for d, m in zip(rows, decoded[BASELINE][0]):
                 d["cache_pct_mha"] = 100 * d["cache_mib"] / m["cache_mib"]
                 d["x_mha"] = d["ms_per_token"] / m["ms_per_token"]
             log(f"{attn}: decoding " + ", ".join(f"{d['ms_per_token']:.2f} ms/token ({d['step_alone_ms_per_token']:.2f} "
