@@ -26,7 +26,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from model import ATTENTION
-from train import ConfigError, load_checkpoint
+from train import ConfigError, load_checkpoint, read_log
 
 
 def fail(path, problem):
@@ -73,13 +73,12 @@ def effective_rank(G, centered=False):
 def loss_curves(path, ckpt):
     """The training and validation losses that train.py logged beside the checkpoint, against
     tokens seen: {"train": [[tokens, loss], ...], "val": [...]}, or None without a log."""
-    log = Path(path).parent / "log.jsonl"
-    if not log.exists() or "config" not in ckpt:
+    records = read_log(Path(path).parent)
+    if not records or "config" not in ckpt:
         return None
     tokens_per_step = ckpt["config"]["batch_size"] * ckpt["model_args"]["block_size"]
     curves = {"train": [], "val": []}
-    for line in log.read_text().splitlines():
-        record = json.loads(line)
+    for record in records:
         kind, key = ("val", "val_loss") if "val_loss" in record else ("train", "loss")
         curves[kind].append([record["step"] * tokens_per_step, record[key]])
     return curves
@@ -164,7 +163,7 @@ def plot_effective_rank(runs, centered):
 
 def most_different_layer(runs):
     """The layer whose effective ranks differ most between the runs (largest max - min), where
-    the variants' heads tell them apart; the middle layer if the runs differ in depth."""
+    the variants' heads tell them apart; None if the runs differ in depth (no common layer)."""
     if len({run["n_layer"] for run in runs}) > 1:
         return None
     ranks = np.array([run["effective_rank"] for run in runs])  # (runs, layers)
@@ -177,8 +176,7 @@ def plot_head_correlation(runs, layer):
     similarity = [np.array(run["similarity"]) for run in runs]
     if layer == "mean":
         panels, which = [s.mean(0) for s in similarity], "mean over layers"
-    elif layer is None and most_different_layer(runs) is not None:
-        index = most_different_layer(runs)
+    elif layer is None and (index := most_different_layer(runs)) is not None:
         panels, which = [s[index] for s in similarity], f"layer {index}, where the runs' effective ranks differ most"
     else:
         index = [run["n_layer"] // 2 if layer is None else layer % run["n_layer"] for run in runs]

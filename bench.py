@@ -8,10 +8,10 @@ the time relative to MHA.
 Decoding: prefill a prompt, then feed one token at a time until the KV cache, sized to the
 context length, is full, every variant in turn over several rounds (bench_decode): ms per new
 token back to back and a step alone, tokens/s, the MiB its buffers hold and their share of
-MHA's. At the shortest context, generate() with and without the cache shows what the cache buys. Decoding runs in bf16
-on a GPU, weights and cache alike, as a server would hold them (autocast would re-cast every
-weight at every token), and in fp32 on a CPU. It is not compiled: the caches grow by one
-position a step, so on a GPU every step also pays its kernel launches.
+MHA's. At the shortest context, generate() with and without the cache shows what the cache
+buys. Decoding runs in bf16 on a GPU, weights and cache alike, as a server would hold them
+(autocast would re-cast every weight at every token), and in fp32 on a CPU. It is not compiled:
+the caches grow by one position a step, so on a GPU every step also pays its kernel launches.
 
     python bench.py --preset=cpu
     python bench.py --preset=128m --device=cuda --check --out=bench_gpu.json
@@ -210,9 +210,10 @@ def bench_decode(configs, preset, device, dtype):
     the median of the back-to-back rounds; step_alone_ms_per_token: the median single step."""
     B, n = preset["decode_batch"], preset["new_tokens"]
     models = {attn: inference_model(config, device, dtype) for attn, config in configs.items()}
+    vocab_size = next(iter(configs.values())).vocab_size  # one preset: the same for every variant
     rows = {attn: [] for attn in configs}
     for L in preset["contexts"]:
-        prompt = torch.randint(next(iter(configs.values())).vocab_size, (B, L - DECODE_WARMUP - n), device=device)
+        prompt = torch.randint(vocab_size, (B, L - DECODE_WARMUP - n), device=device)
         state = {}
         for attn, model in models.items():
             caches = model.new_caches(B, L, dtype)
@@ -242,7 +243,7 @@ def bench_decode(configs, preset, device, dtype):
         del state
     # generate() prefills and samples as a user would: per new token, prefill included, and (from
     # the difference with a 1-token call) per step, at the same batch and context as the first row
-    prompt = torch.randint(next(iter(configs.values())).vocab_size, (B, preset["contexts"][0] - n), device=device)
+    prompt = torch.randint(vocab_size, (B, preset["contexts"][0] - n), device=device)
     result = {}
     for attn, model in models.items():
         seconds = {}
@@ -267,7 +268,7 @@ def backend_times(ms):
 
 
 def markdown(result):
-    variants, tr, de, c = result["variants"], result["train"], result["decode"], result["config"]
+    variants, tr, de = result["variants"], result["train"], result["decode"]
     lines = [f"bench.py --preset={result['preset']}: {result['device']}, torch {result['torch']}, {result['date']}"]
     if "train" in variants[BASELINE]:
         lines += ["", f"Training: {tr['batch_size']} x {tr['seq_len']} tokens a step, {tr['dtype']}, "

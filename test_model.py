@@ -7,7 +7,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from model import ATTENTION, GPT, GPTConfig
 

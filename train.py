@@ -475,20 +475,25 @@ def load_resume_checkpoint(cfg, model_config):
     return ckpt, model
 
 
+# The log's format: log appends one record a line to out_dir/log.jsonl, read_log reads them back.
+# Training records hold step and loss (and lr, timings), evaluation records step and val_loss.
 def log(out_dir, record, line):
     print(line, flush=True)
     with open(Path(out_dir) / "log.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
 
 
+def read_log(out_dir):
+    """The records log wrote to out_dir/log.jsonl, in order; [] if there is none."""
+    path = Path(out_dir) / "log.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
 def start_log(out_dir, resume_step):
     """A fresh run starts an empty log; a resumed one keeps the records up to its checkpoint's step
     (the stopped run may have logged past it), so the log reads as one uninterrupted run."""
-    path = Path(out_dir) / "log.jsonl"
-    kept = []
-    if resume_step is not None and path.exists():
-        kept = [line + "\n" for line in path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
-    path.write_text("".join(kept))
+    kept = [r for r in read_log(out_dir) if r["step"] <= resume_step] if resume_step is not None else []
+    (Path(out_dir) / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
 
 
 # ---------------------------------------------------------------------------------------------
