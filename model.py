@@ -54,17 +54,23 @@ def norm(x):
     return F.rms_norm(x, (x.size(-1),))
 
 
-def rope_tables(dim, max_len, theta):
+def rms(x):
+    """The RMS over the last dim that norm(x) divides x by: norm(x) = x / rms(x)[..., None]."""
+    return x.float().pow(2).mean(-1).add(torch.finfo(x.dtype).eps).sqrt().to(x.dtype)
+
+
+def rope_table(dim, max_len, theta):
+    """(max_len, dim): row s is [cos(s theta_i) | sin(s theta_i)], for the dim / 2 frequencies theta_i."""
     inv_freq = theta ** (-torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
+    return torch.cat((angles.cos(), angles.sin()), dim=-1)
 
 
 def apply_rope(x, rope):
-    """Rotate the last rope_dim = 2 * cos.size(-1) dims of x (B, T, heads, D), dim i of them with
+    """Rotate the last rope_dim = rope.size(-1) dims of x (B, T, heads, D), dim i of them with
     dim i + rope_dim / 2, and pass the first D - rope_dim through; x's T tokens are the last T of
-    the positions the tables cover (all of them in training)."""
-    cos, sin = (t[-x.size(1):, None, :].to(x.dtype) for t in rope)
+    the positions the table covers (all of them in training)."""
+    cos, sin = rope[-x.size(1):, None, :].to(x.dtype).chunk(2, dim=-1)
     x_pass, x1, x2 = x.split((x.size(-1) - 2 * cos.size(-1), cos.size(-1), cos.size(-1)), dim=-1)
     return torch.cat((x_pass, x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
 
@@ -128,10 +134,10 @@ class Attention(nn.Module):
         self.W_q = nn.Linear(config.n_embd, config.n_head * self.qk_dim, bias=False)
         self.W_o = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, rope: torch.Tensor,
                 cache: "KVCache | None" = None) -> torch.Tensor:
         """This layer's attention output (B, T, d), W_o applied, for the normalised input x (B, T, d).
-        rope: the (cos, sin) tables of every position so far, x's T tokens the last T of them.
+        rope: the rope_table rows of every position so far, x's T tokens the last T of them.
         With a cache (a KVCache of cache_shapes), x continues the cached prefix: pass x's entries
         to cache.update, which appends them and returns every position's, and attend over those."""
         raise NotImplementedError
@@ -342,9 +348,8 @@ class LowRankKVAttention(Attention):
             return self.project_out(self.attend(q, apply_rope(norm(k), rope), v))
         # decoding: the QK norm divides K_h by its RMS rho_h, which is cached, so that
         # Rot_s(norm(K_h)) = (Rot_s K_shared + Rot_s(R_h^K (B_h^K)^T)) / rho_h, rotation being linear
-        rho = k.float().pow(2).mean(-1).add(torch.finfo(k.dtype).eps).sqrt().to(k.dtype)  # (B, T, H), as norm()
         k_shared = apply_rope(k_shared.unsqueeze(2), rope).squeeze(2)  # (B, T, d_h)
-        k_shared, v_shared, r_k, r_v, rho = cache.update(k_shared=k_shared, v_shared=v_shared, r_k=r_k, r_v=r_v, rho=rho)
+        k_shared, v_shared, r_k, r_v, rho = cache.update(k_shared=k_shared, v_shared=v_shared, r_k=r_k, r_v=r_v, rho=rms(k))
         if T == 1:
             y_shared, y_res = self.decode_step(q, k_shared, v_shared, r_k, r_v, rho, rope)
         else:
@@ -374,15 +379,14 @@ class LowRankKVAttention(Attention):
         its (S, H, d_h) tensors and their norm and rotation. Values: eq. 7, a_h [V_shared | R_h^V],
         as two products so that V_shared is never copied per head."""
         H, d_h, r, half = self.n_head, self.head_dim, self.lrkv_rank, self.head_dim // 2
-        q = q[:, 0]  # (B, H, d_h)
+        q = q[:, 0] / math.sqrt(d_h)  # (B, H, d_h), the softmax's scale taken in
         B, S = q.size(0), k_shared.size(1)
-        q1, q2 = q.unsqueeze(-1).split(half, dim=-2)  # (B, H, d_h/2, 1)
-        Bk1, Bk2 = self.B_k.view(H, d_h, r).split(half, dim=1)  # (H, d_h/2, r): each B_h's rows i, then i'
-        M = torch.cat((q1 * Bk1 + q2 * Bk2, q1 * Bk2 - q2 * Bk1), dim=-2)  # (B, H, d_h, r)
-        cos_sin = torch.cat(rope, dim=-1).to(q.dtype)  # (S, d_h)
-        w = (cos_sin @ M.transpose(1, 2).flatten(2)).view(B, S, H, r)  # (B, S, H, r): B_h^T Rot_s^T q_h
-        scores = q @ k_shared.transpose(1, 2) + (w * r_k).sum(-1).transpose(1, 2)  # (B, H, S)
-        scores = scores / (rho.transpose(1, 2) * math.sqrt(d_h))
+        q1, q2 = q.view(B, H, 2, half).permute(2, 3, 0, 1).unsqueeze(-1)  # (d_h/2, B, H, 1): q_i, q_i'
+        Bk1, Bk2 = self.B_k.view(H, 2, half, r).permute(1, 2, 0, 3).unsqueeze(2)  # (d_h/2, 1, H, r): B_h[i], B_h[i']
+        M = torch.stack((q1 * Bk1 + q2 * Bk2, q1 * Bk2 - q2 * Bk1))  # (2, d_h/2, B, H, r): cos, sin terms
+        w = rope.to(q.dtype) @ M.view(d_h, B * H * r)  # (S, B H r): B_h^T Rot_s^T q_h, one GEMM for the batch
+        residual_term = torch.linalg.vecdot(w.view(S, B, H, r).transpose(0, 1), r_k).transpose(1, 2)  # (B, H, S)
+        scores = torch.baddbmm(residual_term, q, k_shared.transpose(1, 2)) / rho.transpose(1, 2)
         a = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # (B, H, S)
         y_shared = a @ v_shared  # (B, H, d_h)
         y_res = torch.einsum("bhs,bshr->bhr", a, r_v)  # (B, H, r)
@@ -399,7 +403,9 @@ class MultiHeadLatentAttention(Attention):
     """MLA as DeepSeek-V2: keys and values come up from a normalised latent c = norm(x W_down)
     of width d_c, per head, through W_up; one decoupled RoPE key k_R = x W_kr of width d_R,
     shared by all heads, carries position. Each q/k head is [d_h position-free dims | d_R RoPE
-    dims], d_h + d_R wide; values are d_h wide. Cache per token: d_c + d_R."""
+    dims], d_h + d_R wide; values are d_h wide. Cache per token: c, k_R and every head's key RMS
+    rho_h (one number each), d_c + d_R + H. The H rhos (+3.1% at 128M) spare a single-token step
+    from applying W_up^K to the whole cache for the QK norm (decode_step)."""
 
     def __init__(self, config):
         super().__init__(config, qk_dim=config.head_dim + config.rope_head_dim, rope_dim=config.rope_head_dim)
@@ -428,53 +434,58 @@ class MultiHeadLatentAttention(Attention):
         return 3, config.kv_lora_rank
 
     def cache_shapes(self):
-        return {"c": (self.kv_lora_rank,), "k_rope": (1, self.rope_dim)}
+        return {"c": (self.kv_lora_rank,), "k_rope": (1, self.rope_dim), "rho": (self.n_head,)}
+
+    def keys(self, c, k_rope):
+        """Every head's key before the QK norm, [c W_up,h^K | k_R]: (B, S, H, d_h + d_R)."""
+        B, S = c.shape[:2]
+        k_nope = self.W_up_k(c).view(B, S, self.n_head, self.head_dim)
+        return torch.cat((k_nope, k_rope.expand(B, S, self.n_head, self.rope_dim)), dim=-1)
 
     def forward(self, x, rope, cache=None):
         B, T, _ = x.shape
         q = self.queries(x, rope)  # (B, T, H, d_h + d_R)
         c = norm(self.W_down(x))
         k_rope = apply_rope(self.W_kr(x).unsqueeze(2), rope)  # (B, T, 1, d_R)
-        if cache is not None:
-            c, k_rope = cache.update(c=c, k_rope=k_rope)
-        S = c.size(1)
-        if cache is not None and T == 1:
-            y = self.decode_step(q, c, k_rope)
+        # Rotating part of a vector leaves its RMS unchanged, so norm-after-rotate equals the
+        # queries' rotate-after-norm. The norm couples k_R with each head's c W_up,h^K, which is
+        # why W_up^K cannot simply be absorbed into the query (but see decode_step).
+        k = self.keys(c, k_rope)
+        if cache is None:
+            # Flash attention wants v as wide as q and k: zero-pad v by d_R and drop the padded
+            # (all-zero) output dims, d_R / d_h more work in a v than an unpadded kernel would do.
+            v = F.pad(self.W_up_v(c).view(B, T, self.n_head, self.head_dim), (0, self.rope_dim))
+            return self.project_out(self.attend(q, norm(k), v)[..., :self.head_dim])
+        c, k_rope, rho = cache.update(c=c, k_rope=k_rope, rho=rms(k))
+        if T == 1:
+            y = self.decode_step(q, c, k_rope, rho)
         else:
-            k_nope = self.W_up_k(c).view(B, S, self.n_head, self.head_dim)
-            # Rotating part of a vector leaves its RMS unchanged, so norm-after-rotate equals the
-            # queries' rotate-after-norm. The norm couples k_R with each head's k_nope, which is
-            # why W_up^K cannot simply be absorbed into the query (but see decode_step).
-            k = norm(torch.cat((k_nope, k_rope.expand(B, S, self.n_head, self.rope_dim)), dim=-1))  # (B, S, H, d_h + d_R)
-            if cache is None:
-                # Flash attention wants v as wide as q and k: zero-pad v by d_R and drop the padded
-                # (all-zero) output dims, d_R / d_h more work in a v than an unpadded kernel would do.
-                v = F.pad(self.W_up_v(c).view(B, S, self.n_head, self.head_dim), (0, self.rope_dim))
-                return self.project_out(self.attend(q, k, v)[..., :self.head_dim])
-            # decoding: a_h V_h = (a_h c) W_up,h^V exactly, so attend over the latent itself
+            # a prompt or a chunk after a prefix: rebuild every head's keys at every position.
+            # Decoding attends over the latent itself, as a_h V_h = (a_h c) W_up,h^V exactly.
+            S = c.size(1)
+            k = self.keys(c, k_rope) / rho.unsqueeze(-1)
             y = self.attend(q, k, c.unsqueeze(2).expand(B, S, self.n_head, self.kv_lora_rank))
         W_up_v = self.W_up_v.weight.view(self.n_head, self.head_dim, self.kv_lora_rank)
         return self.project_out(torch.einsum("bthc,hdc->bthd", y, W_up_v))
 
-    def decode_step(self, q, c, k_rope):
-        """One new token's attention over all S cached positions, exact, without building the
-        keys. Head h's key at s is [c_s W_up,h^K | k_R,s] / rho_{h,s}, rho the RMS of that
-        concatenation, so for the normalised, rotated query q_h = [q_h^nope | q_h^R]
+    def decode_step(self, q, c, k_rope, rho):
+        """One new token's attention over all S cached positions, exact, without building any
+        key. Head h's key at s is [c_s W_up,h^K | k_R,s] / rho_{h,s}, rho the RMS of that
+        concatenation, cached when s was new, so for the normalised, rotated query
+        q_h = [q_h^nope | q_h^R]
 
             score_{h,s} = [ (q_h^nope (W_up,h^K)^T) . c_s + q_h^R . k_R,s ] / rho_{h,s}
 
-        The first term is absorbed into the latent, as DeepSeek-V2 absorbs it. rho still needs
-        |c_s W_up,h^K|, one GEMM over the cache, but neither the concatenated keys nor their
-        normalised copy are built, and the scores cost d_c + d_R per head and position instead
-        of d_h + d_R. Returns a_h c: (B, 1, H, d_c)."""
+        The first term is absorbed into the latent, as DeepSeek-V2 absorbs it: the scores cost
+        d_c + d_R per head and position instead of d_h + d_R, and read only the cache. Without
+        the cached rho, every step would apply W_up^K to the whole cache again (S d_c H d_h
+        multiply-adds), just for the norm. Returns a_h c: (B, 1, H, d_c)."""
         H, d_h = self.n_head, self.head_dim
-        B, S = c.shape[:2]
         q_nope, q_rope = q[:, 0].split((d_h, self.rope_dim), dim=-1)  # (B, H, d_h), (B, H, d_R)
-        k_nope_sq = self.W_up_k(c).view(B, S, H, d_h).float().pow(2).sum(-1)  # (B, S, H)
-        rho = ((k_nope_sq + k_rope.float().pow(2).sum(-1)) / self.qk_dim + torch.finfo(c.dtype).eps).sqrt()
-        q_latent = torch.einsum("bhn,hnc->bhc", q_nope, self.W_up_k.weight.view(H, d_h, self.kv_lora_rank))
-        scores = q_latent @ c.transpose(1, 2) + q_rope @ k_rope[:, :, 0].transpose(1, 2)  # (B, H, S)
-        scores = scores / (rho.transpose(1, 2).to(q.dtype) * math.sqrt(self.qk_dim))
+        W_up_k = self.W_up_k.weight.view(H, d_h, self.kv_lora_rank)
+        q_latent = (q_nope.unsqueeze(2) @ W_up_k).squeeze(2)  # (B, H, d_c)
+        scores = torch.baddbmm(q_rope @ k_rope[:, :, 0].transpose(1, 2), q_latent, c.transpose(1, 2))  # (B, H, S)
+        scores = scores / (rho.transpose(1, 2) * math.sqrt(self.qk_dim))
         a = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # (B, H, S)
         return (a @ c).unsqueeze(1)
 
@@ -524,9 +535,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         # one RoPE table for every layer, as wide as each q/k head's rotated part (Attention.rope_dim)
-        cos, sin = rope_tables(self.blocks[0].attn.rope_dim, config.block_size, config.rope_theta)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        rope = rope_table(self.blocks[0].attn.rope_dim, config.block_size, config.rope_theta)
+        self.register_buffer("rope", rope, persistent=False)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -553,7 +563,7 @@ class GPT(nn.Module):
         end = (caches[0].pos if caches else 0) + T
         if end > self.config.block_size:
             raise ValueError(f"sequence of {end} tokens is longer than block_size = {self.config.block_size}")
-        rope = (self.cos[:end], self.sin[:end])
+        rope = self.rope[:end]
         x = norm(self.wte(idx))
         for block, cache in zip(self.blocks, caches or [None] * len(self.blocks)):
             x = block(x, rope, cache)

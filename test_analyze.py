@@ -130,8 +130,8 @@ def test_end_to_end(tmp_path, capsys):
         np.testing.assert_allclose(similarity.diagonal(axis1=1, axis2=2), np.ones((3, 4)))
     mla = results[order.index("MLA")]
     assert mla["val_loss"] is None and mla["val_bpb"] is None
-    # LRKV: 2 d_h + 2 H r, plus the H key RMSs that its decoder caches
-    assert [run["kv_cache_fraction"] for run in results] == [1, (16 + 16 + 4) / 64, (16 + 32 + 4) / 64, 16 / 64, (8 + 4) / 64, 32 / 64]
+    # LRKV: 2 d_h + 2 H r, MLA: d_c + d_R, each plus the H key RMSs that its decoder caches
+    assert [run["kv_cache_fraction"] for run in results] == [1, (16 + 16 + 4) / 64, (16 + 32 + 4) / 64, 16 / 64, (8 + 4 + 4) / 64, 32 / 64]
     table = capsys.readouterr().out
     assert all(sum(line.startswith(label + " ") for line in table.splitlines()) == 1 for label in order)
 

@@ -116,7 +116,7 @@ def test_attention_matches_naive_reference(attn):
     model = tiny_model(attn)
     layer = model.blocks[0].attn
     x = torch.randn(1, 12, TINY.n_embd)
-    rope = (model.cos[:12], model.sin[:12])
+    rope = model.rope[:12]
     with torch.no_grad():
         fast = layer(x, rope)
     torch.testing.assert_close(fast[0].double(), naive_attention(layer, x, model.config), atol=1e-5, rtol=1e-4)
@@ -216,30 +216,36 @@ def test_single_token_steps_match_a_chunk_over_64_positions(attn):
     assert (stepped - full[:, 8:]).abs().max() < 1e-4
 
 
-def test_lrkv_single_token_steps_build_no_cached_key(monkeypatch):
-    """A single-token step builds its own token's per-head keys (for their RMS) and no other."""
-    model = tiny_model("lrkv", block_size=64)
-    key_positions = []
+# Where each variant with a decode_step builds per-head keys, (object, method name, the number of
+# positions a call builds keys for, None when the call builds something else)
+KEY_BUILDERS = {
+    "lrkv": lambda layer: (layer, "residual", lambda R, factor: R.size(1) if factor is layer.B_k else None),
+    "mla": lambda layer: (layer.W_up_k, "forward", lambda c: c.size(1)),
+}
 
-    def spy(layer):
-        residual = layer.residual
 
-        def counted(R, B):
-            if B is layer.B_k:
-                key_positions.append(R.size(1))
-            return residual(R, B)
-        return counted
-
+@pytest.mark.parametrize("attn", KEY_BUILDERS)
+def test_single_token_steps_build_keys_of_their_own_token_only(attn, monkeypatch):
+    """A single-token step builds its own token's per-head keys, for their RMS (which is cached),
+    and no cached position's: LRKV's R_h^K (B_h^K)^T, MLA's c W_up,h^K (which the query absorbs)."""
+    model = tiny_model(attn, block_size=64)
+    positions = []
     for block in model.blocks:
-        monkeypatch.setattr(block.attn, "residual", spy(block.attn))
+        owner, name, count = KEY_BUILDERS[attn](block.attn)
+
+        def spied(*args, build=getattr(owner, name), count=count):
+            if count(*args) is not None:
+                positions.append(count(*args))
+            return build(*args)
+        monkeypatch.setattr(owner, name, spied)
     idx = torch.randint(0, TINY.vocab_size, (2, 64))
     with torch.no_grad():
         caches = model.new_caches(2, 64, dtype=torch.float32)
         model(idx[:, :8], caches=caches)
-        key_positions.clear()
+        positions.clear()
         for t in range(8, 64):
             model(idx[:, t:t + 1], caches=caches)
-    assert key_positions == [1] * 56 * TINY.n_layer
+    assert positions == [1] * 56 * TINY.n_layer
 
 
 @pytest.mark.parametrize("attn", ATTENTION)
@@ -260,9 +266,9 @@ def test_generation_past_block_size_raises():
 
 
 PAPER_CACHE_MIB = {"mha": 72, "gqa": 36, "mqa": 12, "lrkv": 37.875, "mla": 9}
-# LRKV's decoder also caches each head's key RMS, which the paper does not count: 12 layers x
-# 2048 tokens x 6 heads x 2 bytes, +0.7% (see LowRankKVAttention)
-DECODER_EXTRA_MIB = {"lrkv": 12 * 2048 * 6 * 2 / MIB}
+# LRKV's and MLA's decoders also cache each head's key RMS, which the paper does not count: 12
+# layers x 2048 tokens x 6 heads x 2 bytes (+0.7% and +3.1%; see their decode_step)
+DECODER_EXTRA_MIB = {"lrkv": 12 * 2048 * 6 * 2 / MIB, "mla": 12 * 2048 * 6 * 2 / MIB}
 
 
 @pytest.mark.parametrize("attn", ATTENTION)
@@ -273,7 +279,7 @@ def test_kv_cache_bytes_of_the_128m_model(attn):
     assert model.kv_cache_bytes(1, 2048, torch.bfloat16) == (paper_mib + DECODER_EXTRA_MIB.get(attn, 0)) * MIB
     H, d_h, c = model.config.n_head, model.config.head_dim, model.config
     per_token = {"mha": 2 * H * d_h, "gqa": 2 * c.n_kv_head * d_h, "mqa": 2 * d_h,
-                 "mla": c.kv_lora_rank + c.rope_head_dim, "lrkv": 2 * d_h + 2 * H * c.lrkv_rank + H}
+                 "mla": c.kv_lora_rank + c.rope_head_dim + H, "lrkv": 2 * d_h + 2 * H * c.lrkv_rank + H}
     assert model.kv_cache_elements_per_token() == reference(per_token, attn, "cache elements per token")
     if attn == "lrkv":  # the paper's cache fraction 1/H + r/d_h = 52.6%, plus 1/(2 d_h) for the RMSs: 53.0%
         fraction = 1 / H + c.lrkv_rank / d_h + 1 / (2 * d_h)

@@ -421,7 +421,7 @@ def load_checkpoint(path):
     weights, or a ConfigError of one line that starts with the path. weights_only: reading a
     checkpoint can never run code. mmap and a model built on the meta device: nothing is read or
     initialised but the weights the caller touches, which keeps analyze.py on six 128M
-    checkpoints to seconds. The model's RoPE tables are left on the meta device: to run the
+    checkpoints to seconds. The model's RoPE table is left on the meta device: to run the
     weights, load them into a GPT built on a device (restore does)."""
     def bad(problem):
         return ConfigError(f"{path}: {problem}")
