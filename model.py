@@ -582,7 +582,7 @@ class GPT(nn.Module):
         return sum(buf.numel() * buf.element_size() for cache in caches for buf in cache.buffers())
 
     def kv_cache_elements_per_token(self):
-        """Cached elements per token per layer: 2 H d_h for MHA ... d_c + d_R for MLA."""
+        """Cached elements per token per layer: 2 H d_h for MHA ... d_c + d_R + H for MLA."""
         return sum(math.prod(shape) for shape in self.blocks[0].attn.cache_shapes().values())
 
     def get_num_params(self):
