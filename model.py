@@ -9,7 +9,7 @@ full-rank query heads W_q and the output projection W_o.
 Training runs one F.scaled_dot_product_attention call per layer over full per-head keys and
 values. Decoding keeps a KVCache per layer holding what each variant must remember per token
 (Attention.cache_shapes). LRKV and MLA rebuild keys from it only for several tokens at once;
-a single new token goes through their exact decode_step, which never builds per-head keys.
+a single new token goes through their exact decode_step, which builds no cached position's key.
 """
 
 import math
@@ -68,8 +68,8 @@ def rope_table(dim, max_len, theta):
 
 def apply_rope(x, rope):
     """Rotate the last rope_dim = rope.size(-1) dims of x (B, T, heads, D), dim i of them with
-    dim i + rope_dim / 2, and pass the first D - rope_dim through; x's T tokens are the last T of
-    the positions the table covers (all of them in training)."""
+    dim i + rope_dim / 2, and pass the first D - rope_dim through. rope: (S, rope_dim) rows of
+    rope_table, x's T tokens the last T of its S positions (all of them in training)."""
     cos, sin = rope[-x.size(1):, None, :].to(x.dtype).chunk(2, dim=-1)
     x_pass, x1, x2 = x.split((x.size(-1) - 2 * cos.size(-1), cos.size(-1), cos.size(-1)), dim=-1)
     return torch.cat((x_pass, x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
@@ -349,7 +349,8 @@ class LowRankKVAttention(Attention):
         # decoding: the QK norm divides K_h by its RMS rho_h, which is cached, so that
         # Rot_s(norm(K_h)) = (Rot_s K_shared + Rot_s(R_h^K (B_h^K)^T)) / rho_h, rotation being linear
         k_shared = apply_rope(k_shared.unsqueeze(2), rope).squeeze(2)  # (B, T, d_h)
-        k_shared, v_shared, r_k, r_v, rho = cache.update(k_shared=k_shared, v_shared=v_shared, r_k=r_k, r_v=r_v, rho=rms(k))
+        rho = rms(k)  # (B, T, H), stored in the cache's dtype like the keys
+        k_shared, v_shared, r_k, r_v, rho = cache.update(k_shared=k_shared, v_shared=v_shared, r_k=r_k, r_v=r_v, rho=rho)
         if T == 1:
             y_shared, y_res = self.decode_step(q, k_shared, v_shared, r_k, r_v, rho, rope)
         else:
@@ -375,7 +376,7 @@ class LowRankKVAttention(Attention):
                                     + sin(s theta_i) (q_i B_h[i'] - q_i' B_h[i])
 
         which for every s and h at once is the (S, d_h) table [cos | sin] times a (d_h, H r)
-        matrix built from q and B^K: one GEMM, the rebuild's S H r d_h multiply-adds without
+        matrix built from q and B^K (d_h x B H r for a batch): one GEMM, the rebuild's S H r d_h multiply-adds without
         its (S, H, d_h) tensors and their norm and rotation. No exact form does less with this
         cache: each score needs a d_h-wide rotated residual key of which the cache holds r
         numbers. Values: eq. 7, a_h [V_shared | R_h^V], as two products so that V_shared is
@@ -388,7 +389,7 @@ class LowRankKVAttention(Attention):
         M = torch.stack((q1 * Bk1 + q2 * Bk2, q1 * Bk2 - q2 * Bk1))  # (2, d_h/2, B, H, r): cos, sin terms
         w = rope.to(q.dtype) @ M.view(d_h, B * H * r)  # (S, B H r): B_h^T Rot_s^T q_h, one GEMM for the batch
         residual_term = torch.linalg.vecdot(w.view(S, B, H, r).transpose(0, 1), r_k).transpose(1, 2)  # (B, H, S)
-        scores = torch.baddbmm(residual_term, q, k_shared.transpose(1, 2)) / rho.transpose(1, 2)
+        scores = torch.baddbmm(residual_term, q, k_shared.transpose(1, 2)) / rho.transpose(1, 2)  # (B, H, S)
         a = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # (B, H, S)
         y_shared = a @ v_shared  # (B, H, d_h)
         y_res = torch.einsum("bhs,bshr->bhr", a, r_v)  # (B, H, r)
@@ -459,11 +460,11 @@ class MultiHeadLatentAttention(Attention):
             v = F.pad(self.W_up_v(c).view(B, T, self.n_head, self.head_dim), (0, self.rope_dim))
             return self.project_out(self.attend(q, norm(k), v)[..., :self.head_dim])
         c, k_rope, rho = cache.update(c=c, k_rope=k_rope, rho=rms(k))
+        # decoding attends over the latent itself, as a_h V_h = (a_h c) W_up,h^V exactly
         if T == 1:
             y = self.decode_step(q, c, k_rope, rho)
         else:
-            # a prompt or a chunk after a prefix: rebuild every head's keys at every position.
-            # Decoding attends over the latent itself, as a_h V_h = (a_h c) W_up,h^V exactly.
+            # a prompt or a chunk after a prefix: rebuild every head's keys at every position
             S = c.size(1)
             k = self.keys(c, k_rope) / rho.unsqueeze(-1)
             y = self.attend(q, k, c.unsqueeze(2).expand(B, S, self.n_head, self.kv_lora_rank))

@@ -217,7 +217,8 @@ def test_single_token_steps_match_a_chunk_over_64_positions(attn):
 
 
 # Where each variant with a decode_step builds per-head keys, (object, method name, the number of
-# positions a call builds keys for, None when the call builds something else)
+# positions a call builds keys for, None when the call builds something else). For MLA that is
+# the W_up_k module's call: a step that used W_up_k.weight directly on the cache would escape it.
 KEY_BUILDERS = {
     "lrkv": lambda layer: (layer, "residual", lambda R, factor: R.size(1) if factor is layer.B_k else None),
     "mla": lambda layer: (layer.W_up_k, "forward", lambda c: c.size(1)),
@@ -267,7 +268,8 @@ def test_generation_past_block_size_raises():
 
 PAPER_CACHE_MIB = {"mha": 72, "gqa": 36, "mqa": 12, "lrkv": 37.875, "mla": 9}
 # LRKV's and MLA's decoders also cache each head's key RMS, which the paper does not count: 12
-# layers x 2048 tokens x 6 heads x 2 bytes (+0.7% and +3.1%; see their decode_step)
+# layers x 2048 tokens x 6 heads x 2 bytes (+0.7% and +3.1%; see LowRankKVAttention and
+# MultiHeadLatentAttention)
 DECODER_EXTRA_MIB = {"lrkv": 12 * 2048 * 6 * 2 / MIB, "mla": 12 * 2048 * 6 * 2 / MIB}
 
 
