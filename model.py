@@ -341,7 +341,8 @@ class LowRankKVAttention(Attention):
         k_shared, v_shared = self.W_shared_k(x), self.W_shared_v(x)
         r_k = self.U_k(x).view(B, T, self.n_head, self.lrkv_rank)
         r_v = self.U_v(x).view(B, T, self.n_head, self.lrkv_rank)
-        k = k_shared.unsqueeze(2) + self.residual(r_k, self.B_k)  # (B, T, H, d_h): K_h before norm and RoPE
+        res_k = self.residual(r_k, self.B_k)  # (B, T, H, d_h): R_h^K (B_h^K)^T
+        k = k_shared.unsqueeze(2) + res_k  # K_h before norm and RoPE
         if cache is None:
             # training: materialise V_h so that q, k, v share one head dim and flash applies
             v = v_shared.unsqueeze(2) + self.residual(r_v, self.B_v)
@@ -355,8 +356,10 @@ class LowRankKVAttention(Attention):
             y_shared, y_res = self.decode_step(q, k_shared, v_shared, r_k, r_v, rho, rope)
         else:
             # a prompt or a chunk after a prefix: rebuild every head's keys at every position
-            k = (k_shared.unsqueeze(2) + apply_rope(self.residual(r_k, self.B_k), rope)) / rho.unsqueeze(-1)
+            # (the new tokens' residuals are built already)
             S = v_shared.size(1)
+            res_k = torch.cat((self.residual(r_k[:, :S - T], self.B_k), res_k), dim=1)
+            k = (k_shared.unsqueeze(2) + apply_rope(res_k, rope)) / rho.unsqueeze(-1)
             v = torch.cat((v_shared.unsqueeze(2).expand(B, S, self.n_head, self.head_dim), r_v), dim=-1)
             y_shared, y_res = self.attend(q, k, v).split((self.head_dim, self.lrkv_rank), dim=-1)
         # eq. 7: a_h V_h = a_h V_shared + (a_h R_h^V) (B_h^V)^T, with B_h^V applied once to the result
@@ -465,8 +468,9 @@ class MultiHeadLatentAttention(Attention):
             y = self.decode_step(q, c, k_rope, rho)
         else:
             # a prompt or a chunk after a prefix: rebuild every head's keys at every position
+            # (the new tokens' keys are built already)
             S = c.size(1)
-            k = self.keys(c, k_rope) / rho.unsqueeze(-1)
+            k = torch.cat((self.keys(c[:, :S - T], k_rope[:, :S - T]), k), dim=1) / rho.unsqueeze(-1)
             y = self.attend(q, k, c.unsqueeze(2).expand(B, S, self.n_head, self.kv_lora_rank))
         W_up_v = self.W_up_v.weight.view(self.n_head, self.head_dim, self.kv_lora_rank)
         return self.project_out(torch.einsum("bthc,hdc->bthd", y, W_up_v))
