@@ -379,11 +379,11 @@ class LowRankKVAttention(Attention):
                                     + sin(s theta_i) (q_i B_h[i'] - q_i' B_h[i])
 
         which for every s and h at once is the (S, d_h) table [cos | sin] times a (d_h, H r)
-        matrix built from q and B^K (d_h x B H r for a batch): one GEMM, the rebuild's S H r d_h multiply-adds without
-        its (S, H, d_h) tensors and their norm and rotation. No exact form does less with this
-        cache: each score needs a d_h-wide rotated residual key of which the cache holds r
-        numbers. Values: eq. 7, a_h [V_shared | R_h^V], as two products so that V_shared is
-        never copied per head."""
+        matrix built from q and B^K (a batch's matrices side by side): one GEMM, the rebuild's
+        S H r d_h multiply-adds without its (S, H, d_h) tensors and their norm and rotation. No
+        exact form does less with this cache: each score needs a d_h-wide rotated residual key
+        of which the cache holds r numbers. Values: eq. 7, a_h [V_shared | R_h^V], as two
+        products so that V_shared is never copied per head."""
         H, d_h, r, half = self.n_head, self.head_dim, self.lrkv_rank, self.head_dim // 2
         q = q[:, 0] / math.sqrt(d_h)  # (B, H, d_h), the softmax's scale taken in
         B, S = q.size(0), k_shared.size(1)
