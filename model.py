@@ -55,8 +55,11 @@ def norm(x):
 
 
 def rms(x):
-    """The RMS over the last dim that norm(x) divides x by: norm(x) = x / rms(x)[..., None]."""
-    return x.float().pow(2).mean(-1).add(torch.finfo(x.dtype).eps).sqrt().to(x.dtype)
+    """The RMS over the last dim that norm(x) divides x by: norm(x) = x / rms(x)[..., None].
+    As in F.rms_norm, bf16 and fp16 are computed in fp32 and with fp32's eps: their own eps
+    (7.8e-3 for bf16) would outweigh the mean square of a small key."""
+    x_hi = x.to(torch.promote_types(x.dtype, torch.float32))
+    return x_hi.pow(2).mean(-1).add(torch.finfo(x_hi.dtype).eps).sqrt().to(x.dtype)
 
 
 def rope_table(dim, max_len, theta):

@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from model import ATTENTION, GPT, GPTConfig
+from model import ATTENTION, GPT, GPTConfig, norm
+from model import rms as cached_rms
 
 TINY = GPTConfig(
     block_size=32, vocab_size=61, n_layer=2, n_head=4, n_embd=64, head_dim=16,
@@ -196,6 +197,36 @@ def test_cached_decoding_equals_full_forward(attn):
         pieces = [model(idx[:, :9], caches=caches)[0], model(idx[:, 9:13], caches=caches)[0]]
         pieces += [model(idx[:, t:t + 1], caches=caches)[0] for t in range(13, 24)]
     assert (torch.cat(pieces, dim=1) - full).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3), (torch.float32, 1e-5),
+                                        (torch.float64, 1e-12)], ids=["bf16", "fp16", "fp32", "fp64"])
+def test_cached_rms_is_what_norm_divides_by(dtype, tol):
+    """LRKV and MLA cache each key's RMS and divide by it where training calls norm(). Small
+    vectors (mean square 1e-4) are where a wrong eps shows: bf16's own is 7.8e-3."""
+    x = (0.01 * torch.randn(8, 64, dtype=torch.float64)).to(dtype)
+    divided = x.double() / cached_rms(x).double()[..., None]
+    assert torch.allclose(divided, norm(x).double(), rtol=tol, atol=tol)
+
+
+# The weights that make each key of a variant that caches key RMSs: scaled down, they leave
+# keys with a mean square far below bf16's eps
+KEY_WEIGHTS = {"lrkv": ("W_shared_k", "U_k"), "mla": ("W_up_k", "W_kr")}
+
+
+@pytest.mark.parametrize("attn", KEY_WEIGHTS)
+def test_bf16_single_token_steps_with_small_keys_match_the_full_forward(attn):
+    model = tiny_model(attn).to(torch.bfloat16)
+    with torch.no_grad():
+        for name in KEY_WEIGHTS[attn]:
+            for block in model.blocks:
+                getattr(block.attn, name).weight.mul_(0.03)
+        idx = torch.randint(0, TINY.vocab_size, (2, 24))
+        full = model(idx)[0]
+        caches = model.new_caches(2, 24, dtype=torch.bfloat16)
+        model(idx[:, :8], caches=caches)
+        stepped = torch.cat([model(idx[:, t:t + 1], caches=caches)[0] for t in range(8, 24)], dim=1)
+    assert (stepped - full[:, 8:]).norm() / full[:, 8:].norm() < 2e-2
 
 
 @pytest.mark.parametrize("attn", ATTENTION)
