@@ -42,6 +42,8 @@ class GPTConfig:
                 self.reject(field, "a positive integer")
         if self.head_dim % 2:
             self.reject("head_dim", "even (RoPE rotates pairs of dimensions)")
+        if not 1 < self.rope_theta < math.inf:  # NaN fails too
+            self.reject("rope_theta", "a finite number > 1, so that RoPE's frequencies theta^(-2i/d) fall from 1")
         if self.n_embd != self.n_head * self.head_dim:
             self.reject("n_embd", f"n_head * head_dim = {self.n_head} * {self.head_dim} = {self.n_head * self.head_dim}")
         ATTENTION[self.attn].check(self)

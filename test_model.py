@@ -399,6 +399,8 @@ def test_head_qk_weights_match_each_variants_projections(attn):
     (dict(n_head=0), "n_head"),
     (dict(head_dim=127, n_embd=6 * 127), "head_dim"),
     (dict(n_layer=2.5), "n_layer"),
+    (dict(rope_theta=0.0), "rope_theta"),
+    (dict(rope_theta=float("nan")), "rope_theta"),
 ])
 def test_bad_configuration_raises(overrides, field):
     with pytest.raises(ValueError, match=f"GPTConfig.{field} "):
