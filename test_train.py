@@ -77,7 +77,8 @@ def test_resume_reproduces_the_uninterrupted_run(data_dir, full_run, tmp_path):
     # the same budget (max_steps, hence the same schedule), stopped after step STOP, then resumed
     assert train.main(flags(data_dir=data_dir, out_dir=tmp_path, stop_after=STOP)) == 0
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == STOP
-    assert train.main(flags(data_dir=data_dir, out_dir=tmp_path, n_layer=1) + ["--resume"]) == 2
+    for changed in (dict(n_layer=1), dict(max_steps=2 * STEPS), dict(weight_decay=0.0), dict(seed=1)):
+        assert train.main(flags(data_dir=data_dir, out_dir=tmp_path, **changed) + ["--resume"]) == 2, changed
     assert train.main(flags(data_dir=data_dir, out_dir=tmp_path) + ["--resume"]) == 0
     expected, resumed = records(full_run, "loss"), records(tmp_path, "loss")
     assert sorted(resumed) == sorted(expected)

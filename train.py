@@ -41,7 +41,7 @@ class TrainConfig:
     # data and output
     data_dir: str = "data/fineweb-edu-gpt2"
     out_dir: str = "out"
-    resume: bool = False  # continue out_dir/ckpt.pt; give the run's flags again (the lrs come from the checkpoint)
+    resume: bool = False  # continue out_dir/ckpt.pt; give the run's flags again (RESUME_FLAGS must match)
     # batch and budget: the paper's 16 sequences of 2048 tokens, 32,768 tokens a step
     batch_size: int = 16  # sequences per optimizer step, over all devices together
     micro_batch_size: int = 16  # most sequences a device holds at once; gradient accumulation fills the step
@@ -461,14 +461,23 @@ def restore(checkpoint, model, optimizers, device):
     return ckpt["step"], {k: ckpt[k] for k in EVALS}
 
 
+# The flags that decide what a run computes besides the model's: a resumed run must be given the
+# ones it was trained with, or it would go on as another run than the one it continues (and the
+# checkpoints it writes would describe that one). Data, device, dtype, compilation, micro-batching,
+# the evaluation and log cadence and stop_after may change from one job of a run to the next.
+RESUME_FLAGS = ("batch_size", "max_steps", "warmup_steps", "optimizer", "muon_lr", "adamw_lr", "embedding_lr",
+                "unembedding_lr", "weight_decay", "grad_clip", "eval_tokens", "seed")
+
+
 def load_resume_checkpoint(cfg, model_config):
-    """load_checkpoint(out_dir/ckpt.pt), checked to hold the model and optimizer that the flags describe."""
+    """load_checkpoint(out_dir/ckpt.pt), checked to hold the model the flags describe, trained with
+    the flags in RESUME_FLAGS."""
     path = Path(cfg.out_dir) / "ckpt.pt"
     if not path.exists():
         raise ConfigError(f"--resume: there is no {path} to resume from")
     ckpt, model = load_checkpoint(path)
-    saved = {**ckpt["model_args"], "optimizer": ckpt["config"]["optimizer"]}
-    wanted = {**dataclasses.asdict(model_config), "optimizer": cfg.optimizer}
+    saved = {**ckpt["model_args"], **{k: ckpt["config"][k] for k in RESUME_FLAGS}}
+    wanted = {**dataclasses.asdict(model_config), **{k: getattr(cfg, k) for k in RESUME_FLAGS}}
     changed = ", ".join(f"{k}={saved[k]!r} (flags: {wanted.get(k)!r})" for k in saved if saved[k] != wanted.get(k))
     if changed:
         raise ConfigError(f"--resume: {path} was trained with {changed}; give the flags of the run it continues")
