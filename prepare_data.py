@@ -322,6 +322,8 @@ def tokenize(args, tok, batches, state, out_dir):
     total = state["train_tokens"] + state["val_tokens"]
     with tqdm(total=args.max_tokens, initial=total, unit="tok", unit_scale=True) as bar:
         for ids in encoded():
+            if total == args.max_tokens:  # a rerun resumed from the checkpoint taken at the limit
+                break
             documents += 1
             if len(ids) == 0:
                 continue
@@ -383,7 +385,10 @@ class Parser(argparse.ArgumentParser):
         sys.exit(f"prepare_data.py: error: {message}")
 
 def count(text):  # int(float()) so that 1e9 works
-    n = int(float(text))
+    try:
+        n = int(float(text))
+    except OverflowError:  # inf: argparse turns a ValueError into its one-line error
+        raise ValueError from None
     if n < 1:
         raise ValueError
     return n

@@ -200,6 +200,27 @@ def test_rerun_resumes_after_interruption(tmp_path, monkeypatch, capsys):
     assert "already complete" in capsys.readouterr().out
     assert snapshot(out) == after
 
+def test_rerun_killed_at_the_token_limit_adds_nothing(tmp_path, monkeypatch):
+    # the last checkpoint holds every token --max_tokens asks for; killed before meta.json
+    texts = make_texts(40, seed=3)
+    (tmp_path / "in").mkdir()
+    for i, text in enumerate(texts):
+        (tmp_path / "in" / f"{i}.txt").write_text(text, encoding="utf-8")
+    args = ["--dataset=text", "--tokenizer=byte", f"--input={tmp_path / 'in'}", "--max_tokens=1000"]
+    pd.main(args + [f"--out_dir={tmp_path / 'whole'}"])
+    write_atomic = pd.write_atomic
+    def dying(path, *parts):
+        if path.name == "meta.json":
+            raise KeyboardInterrupt
+        write_atomic(path, *parts)
+    monkeypatch.setattr(pd, "write_atomic", dying)
+    out = tmp_path / "resumed"
+    with pytest.raises(KeyboardInterrupt):
+        pd.main(args + [f"--out_dir={out}"])
+    monkeypatch.setattr(pd, "write_atomic", write_atomic)
+    pd.main(args + [f"--out_dir={out}"])
+    assert contents(out) == contents(tmp_path / "whole")
+
 def test_load_meta_names_the_command(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cases = {"data/pydocs-byte": "`python prepare_data.py --dataset=pydocs --tokenizer=byte`",
@@ -220,6 +241,7 @@ def test_load_meta_names_the_command(tmp_path, monkeypatch):
     (["--dataset=text", "--input={empty}"], "no .txt files"),
     (["--dataset=fineweb-edu", "--input={empty}"], "no .parquet files"),
     (["--val_fraction=1.5"], "invalid fraction value"),
+    (["--max_tokens=inf"], "invalid count value"),
 ])
 def test_bad_input_is_one_line(tmp_path, args, message):
     (tmp_path / "empty").mkdir()
