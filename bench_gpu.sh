@@ -7,7 +7,8 @@
 #     ./bench_gpu.sh [out_dir] [more bench.py flags]     # out_dir: default $OUT, else out/gpu
 #     ./bench_gpu.sh /tmp/try --preset=tiny --device=cpu  # the same steps in seconds on a CPU
 set -uo pipefail
-out=$(realpath -m "${1:-${OUT:-out/gpu}}")
+case "${1:-}" in -*) echo "bench_gpu.sh: the output folder comes first, then bench.py's flags (got $1)" >&2; exit 2 ;; esac
+out=$(realpath -m -- "${1:-${OUT:-out/gpu}}")
 shift $(($# > 0 ? 1 : 0))
 cd "$(dirname "$0")"
 mkdir -p "$out"
