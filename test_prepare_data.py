@@ -161,6 +161,17 @@ def test_pydocs_is_deterministic(tmp_path):
     assert meta["val_tokens"] > 0 and meta["vocab_size"] == 256
     assert contents(tmp_path / "a") == contents(tmp_path / "b")
 
+def kill_when_writing(monkeypatch, name, partial_bytes=0):
+    """pd.write_atomic raises KeyboardInterrupt, as a kill would, when it comes to the file
+    `name`, leaving its first partial_bytes in name.tmp; it writes every other file as usual."""
+    write_atomic = pd.write_atomic
+    def dying(path, *parts):
+        if path.name == name:
+            path.with_name(path.name + ".tmp").write_bytes(b"".join(parts)[:partial_bytes])
+            raise KeyboardInterrupt
+        write_atomic(path, *parts)
+    monkeypatch.setattr(pd, "write_atomic", dying)
+
 def test_rerun_resumes_after_interruption(tmp_path, monkeypatch, capsys):
     texts = make_texts(300, seed=2)
     write_fineweb_parquet(tmp_path / "data.parquet", texts)
@@ -169,13 +180,7 @@ def test_rerun_resumes_after_interruption(tmp_path, monkeypatch, capsys):
     pd.main(args + [f"--out_dir={tmp_path / 'whole'}"])
 
     # killed halfway through writing the third train shard
-    write_atomic = pd.write_atomic
-    def dying(path, *parts):
-        if path.name == "train_000002.bin":
-            path.with_name(path.name + ".tmp").write_bytes(b"".join(parts)[:1000])
-            raise KeyboardInterrupt
-        write_atomic(path, *parts)
-    monkeypatch.setattr(pd, "write_atomic", dying)
+    kill_when_writing(monkeypatch, "train_000002.bin", partial_bytes=1000)
     out = tmp_path / "resumed"
     with pytest.raises(KeyboardInterrupt):
         pd.main(args + [f"--out_dir={out}"])
@@ -186,7 +191,7 @@ def test_rerun_resumes_after_interruption(tmp_path, monkeypatch, capsys):
     with pytest.raises(FileNotFoundError):
         pd.load_meta(out)
 
-    monkeypatch.setattr(pd, "write_atomic", write_atomic)
+    monkeypatch.undo()
     before = snapshot(out)
     capsys.readouterr()
     pd.main(args + [f"--out_dir={out}"])
@@ -208,16 +213,11 @@ def test_rerun_killed_at_the_token_limit_adds_nothing(tmp_path, monkeypatch):
         (tmp_path / "in" / f"{i}.txt").write_text(text, encoding="utf-8")
     args = ["--dataset=text", "--tokenizer=byte", f"--input={tmp_path / 'in'}", "--max_tokens=1000"]
     pd.main(args + [f"--out_dir={tmp_path / 'whole'}"])
-    write_atomic = pd.write_atomic
-    def dying(path, *parts):
-        if path.name == "meta.json":
-            raise KeyboardInterrupt
-        write_atomic(path, *parts)
-    monkeypatch.setattr(pd, "write_atomic", dying)
+    kill_when_writing(monkeypatch, "meta.json")
     out = tmp_path / "resumed"
     with pytest.raises(KeyboardInterrupt):
         pd.main(args + [f"--out_dir={out}"])
-    monkeypatch.setattr(pd, "write_atomic", write_atomic)
+    monkeypatch.undo()
     pd.main(args + [f"--out_dir={out}"])
     assert contents(out) == contents(tmp_path / "whole")
 
