@@ -1,6 +1,6 @@
-"""Tests of analyze.py: the effective rank at its two ends, the invariances of the head-similarity
-matrix, the trace form against the explicit d x d operators, the bounds of the centred rank,
-and the command line, end to end and on bad input."""
+"""Tests of analyze.py: the effective rank at its two ends and in between, the invariances of the
+head-similarity matrix, the trace form against the explicit d x d operators, the bounds of the
+centred rank, and the command line, end to end and on bad input."""
 
 import json
 import os
@@ -50,6 +50,20 @@ def test_orthogonal_heads_have_rank_H():
     np.testing.assert_allclose(G, np.eye(H), atol=1e-15)
     assert analyze.effective_rank(G) == pytest.approx(H)
     assert analyze.effective_rank(G, centered=True) == pytest.approx(H - 1)
+
+
+def test_three_alike_heads_and_one_apart():
+    """Heads 0-2 share one operator and head 3 has an orthogonal one: G is a 3 x 3 block of ones
+    beside a lone 1, with eigenvalues 3 and 1, so the rank is exp of the entropy of (3/4, 1/4),
+    1.75. Centred, the two operators spread along a single direction: rank 1."""
+    Wq, Wk = random_heads(heads=2)
+    rows = torch.arange(D) // (D // 2)
+    Wq = Wq * (rows[None, :, None] == torch.arange(2)[:, None, None])
+    heads = torch.tensor([0, 0, 0, 1])
+    G = analyze.head_similarity(Wq[heads], Wk[heads])
+    p = np.array([3, 1]) / 4
+    assert analyze.effective_rank(G) == pytest.approx(np.exp(-(p * np.log(p)).sum()))
+    assert analyze.effective_rank(G, centered=True) == pytest.approx(1)
 
 
 def test_similarity_ignores_basis_and_scale_inside_a_head():

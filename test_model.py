@@ -289,6 +289,7 @@ def test_greedy_generation_is_the_same_with_and_without_cache(attn):
     assert torch.equal(cached, model.generate(prompt, 12, temperature=0, use_cache=False))
     sampled = model.generate(prompt, 12, temperature=0.8, top_k=5)
     assert sampled.shape == (2, 17) and sampled.max() < TINY.vocab_size
+    assert torch.equal(model.generate(prompt, 12, temperature=1.0, top_k=1), cached)  # top-1 sampling is greedy
 
 
 def test_generation_past_block_size_raises():
@@ -333,23 +334,31 @@ def test_generation_allocates_exactly_the_predicted_cache(attn, monkeypatch):
     assert model.kv_cache_bytes(3, 10, torch.bfloat16) == 2 * 3 * 10 * TINY.n_layer * model.kv_cache_elements_per_token()
 
 
-def test_parameter_counts_follow_the_paper():
-    """K/V-side parameters per layer: MHA 2 H d d_h, LRKV 2 d d_h + 2 H r (d + d_h)."""
-    counts = {}
+# Each variant's parameters per layer besides W_q, W_o and the MLP, from its formula (MHA's and
+# LRKV's are the paper's section 1), and the width of its q/k heads: (K/V-side parameters, d_qk)
+ATTENTION_PARAMS = {
+    "mha": lambda c: (2 * c.n_head * c.n_embd * c.head_dim, c.head_dim),
+    "gqa": lambda c: (2 * c.n_kv_head * c.n_embd * c.head_dim, c.head_dim),
+    "mqa": lambda c: (2 * c.n_embd * c.head_dim, c.head_dim),
+    "lrkv": lambda c: (2 * c.n_embd * c.head_dim + 2 * c.n_head * c.lrkv_rank * (c.n_embd + c.head_dim), c.head_dim),
+    "mla": lambda c: (c.n_embd * c.kv_lora_rank + 2 * c.kv_lora_rank * c.n_head * c.head_dim + c.n_embd * c.rope_head_dim,
+                      c.head_dim + c.rope_head_dim),
+}
+
+
+@pytest.mark.parametrize("attn", ATTENTION)
+def test_parameter_and_flop_counts_follow_each_variants_formula(attn):
+    """At 128M: the parameters, and the training FLOPs per token, 6 per weight of every matmul (all
+    but the embedding) plus 6 per multiply-add of q k^T and a v over T keys, q/k heads d_qk wide."""
+    c = GPTConfig(attn=attn)
+    kv, d_qk = reference(ATTENTION_PARAMS, attn, "parameter formula")(c)
+    per_layer = kv + c.n_embd * c.n_head * d_qk + c.n_head * c.head_dim * c.n_embd + 8 * c.n_embd ** 2
     with torch.device("meta"):
-        for attn in ("mha", "lrkv"):
-            counts[attn] = GPT(GPTConfig(attn=attn)).get_num_params()
-    c = GPTConfig()
-    d, H, d_h, r = c.n_embd, c.n_head, c.head_dim, c.lrkv_rank
-    assert counts["mha"] - counts["lrkv"] == c.n_layer * (2 * H * d * d_h - (2 * d * d_h + 2 * H * r * (d + d_h)))
-
-
-def test_flops_per_token_counts_matmuls_and_attention():
-    model = tiny_model("mha")
-    c = TINY
-    per_layer = 4 * c.n_embd * c.n_embd + 8 * c.n_embd * c.n_embd  # q, k, v, o and the 4x MLP
-    expected = 6 * (c.n_layer * per_layer + c.n_embd * c.vocab_size) + 12 * c.n_layer * c.n_head * c.head_dim * 32
-    assert model.flops_per_token(32) == expected
+        model = GPT(c)
+    assert model.get_num_params() == 2 * c.vocab_size * c.n_embd + c.n_layer * per_layer
+    T = 1024
+    attention = c.n_layer * c.n_head * (d_qk + c.head_dim) * T
+    assert model.flops_per_token(T) == 6 * (c.vocab_size * c.n_embd + c.n_layer * per_layer) + 6 * attention
 
 
 def grouped_head_keys(layer, x, c):

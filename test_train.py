@@ -97,7 +97,8 @@ def test_two_gloo_processes_match_one(data_dir, full_run, tmp_path):
     assert sorted(split) == sorted(expected)
     for step in expected:
         assert abs(split[step] - expected[step]) < 1e-4, step
-    assert abs(records(tmp_path, "val_bpb")[STEPS] - records(full_run, "val_bpb")[STEPS]) < 1e-4
+    for key in ("val_loss", "val_bpb"):
+        assert abs(records(tmp_path, key)[STEPS] - records(full_run, key)[STEPS]) < 1e-4, key
 
 
 def test_batches_depend_only_on_seed_step_and_rank(data_dir):
@@ -111,15 +112,20 @@ def test_batches_depend_only_on_seed_step_and_rank(data_dir):
     assert not torch.equal(batches.get(3, 8, 8, 0, 1)[0], x)
 
 
-def test_bits_per_byte_is_exact():
-    """A model that predicts every byte with probability 1/256 spends 8 bits on each byte, and the
-    zero-byte end-of-text targets count in the loss but not in BPB."""
-    tokens = torch.tensor([0, 65, 66, 0, 67, 68, 69, 0, 70], dtype=torch.int64)
-    bytes_per_token = torch.ones(256)
-    bytes_per_token[0] = 0
-    uniform = lambda idx: (torch.zeros(*idx.shape, 256), None)
-    loss, bpb = train.evaluate(uniform, tokens, bytes_per_token, 4, 1, nullcontext(), 0, 1)
-    assert loss == pytest.approx(math.log(256)) and bpb == pytest.approx(8.0)
+def test_loss_and_bits_per_byte_are_exact():
+    """evaluate() against the definitions, written out token by token: the loss is the mean
+    cross-entropy over every target, end-of-text (token 0, zero bytes) included; BPB is the nats
+    of the byte-carrying targets over their bytes, / ln 2. Tokens of 1 to 4 bytes and a model
+    whose logits depend on its input keep bytes, tokens and targets from standing in for each other."""
+    torch.manual_seed(0)
+    table = torch.randn(8, 8)  # logits for the next token, by the current token
+    bytes_per_token = torch.tensor([0, 1, 2, 3, 4, 1, 2, 3])
+    tokens = torch.tensor([0, 3, 1, 0, 7, 4, 2, 0, 5])  # two windows of 4 targets each
+    loss, bpb = train.evaluate(lambda idx: (table[idx], None), tokens, bytes_per_token, 4, 1, nullcontext(), 0, 1)
+    nats = [-torch.log_softmax(table[a].double(), 0)[b].item() for a, b in zip(tokens[:-1], tokens[1:])]
+    nbytes = [bytes_per_token[b].item() for b in tokens[1:]]
+    assert loss == pytest.approx(sum(nats) / len(nats))
+    assert bpb == pytest.approx(sum(n for n, k in zip(nats, nbytes) if k) / (math.log(2) * sum(nbytes)))
 
 
 def test_schedule_and_optimizers():
