@@ -109,8 +109,9 @@ class KVCache(nn.Module):
 # K/V per head. Every variant below trains flash-eligible: MLA's q/k heads are d_h + d_R wide
 # (DeepSeek-V2's 128 + 64) and its values d_h, so it zero-pads v to the q/k width. On an H200
 # PyTorch picks cuDNN attention for all five, which ran faster than flash there (README).
-# Decoding a chunk after a prefix needs an explicit mask (memory-efficient or math backend),
-# and the absorbed value forms (v wider than q/k) are likewise not flash-eligible.
+# A prompt into an empty cache attends as training does. A chunk after a prefix needs an
+# explicit mask (memory-efficient or math backend), and MLA's chunks attend over its latent,
+# unlike q/k in width, so not on flash either. LRKV's and MLA's single-token steps call no SDPA.
 class Attention(nn.Module):
     """The interface of an attention variant, and what every variant shares: H full-rank query
     heads W_q (normalised and rotated by `queries`), the output projection W_o and `attend`.
@@ -340,6 +341,11 @@ class LowRankKVAttention(Attention):
         """Every head's R_h B_h^T, factor being B_k or B_v: (B, S, H, r) -> (B, S, H, d_h)."""
         return torch.einsum("bshr,hdr->bshd", R, factor.view(self.n_head, self.head_dim, self.lrkv_rank))
 
+    def values(self, v_shared, r_v):
+        """Every head's V_h = V_shared + R_h^V (B_h^V)^T (eq. 6), d_h wide like q and k, which
+        flash attention wants: (B, S, H, d_h)."""
+        return v_shared.unsqueeze(2) + self.residual(r_v, self.B_v)
+
     def forward(self, x, rope, cache=None):
         B, T, _ = x.shape
         q = self.queries(x, rope)
@@ -349,9 +355,7 @@ class LowRankKVAttention(Attention):
         res_k = self.residual(r_k, self.B_k)  # (B, T, H, d_h): R_h^K (B_h^K)^T
         k = k_shared.unsqueeze(2) + res_k  # K_h before norm and RoPE
         if cache is None:
-            # training: materialise V_h so that q, k, v share one head dim and flash applies
-            v = v_shared.unsqueeze(2) + self.residual(r_v, self.B_v)
-            return self.project_out(self.attend(q, apply_rope(norm(k), rope), v))
+            return self.project_out(self.attend(q, apply_rope(norm(k), rope), self.values(v_shared, r_v)))
         # decoding: the QK norm divides K_h by its RMS rho_h, which is cached, so that
         # Rot_s(norm(K_h)) = (Rot_s K_shared + Rot_s(R_h^K (B_h^K)^T)) / rho_h, rotation being linear
         k_shared = apply_rope(k_shared.unsqueeze(2), rope).squeeze(2)  # (B, T, d_h)
@@ -359,16 +363,17 @@ class LowRankKVAttention(Attention):
         k_shared, v_shared, r_k, r_v, rho = cache.update(k_shared=k_shared, v_shared=v_shared, r_k=r_k, r_v=r_v, rho=rho)
         if T == 1:
             y_shared, y_res = self.decode_step(q, k_shared, v_shared, r_k, r_v, rho, rope)
-        else:
-            # a prompt or a chunk after a prefix: rebuild every head's keys at every position
-            # (the new tokens' residuals are built already)
-            S = v_shared.size(1)
-            res_k = torch.cat((self.residual(r_k[:, :S - T], self.B_k), res_k), dim=1)
-            k = (k_shared.unsqueeze(2) + apply_rope(res_k, rope)) / rho.unsqueeze(-1)
-            v = torch.cat((v_shared.unsqueeze(2).expand(B, S, self.n_head, self.head_dim), r_v), dim=-1)
-            y_shared, y_res = self.attend(q, k, v).split((self.head_dim, self.lrkv_rank), dim=-1)
-        # eq. 7: a_h V_h = a_h V_shared + (a_h R_h^V) (B_h^V)^T, with B_h^V applied once to the result
-        return self.project_out(y_shared + self.residual(y_res, self.B_v))
+            # eq. 7: a_h V_h = a_h V_shared + (a_h R_h^V) (B_h^V)^T, with B_h^V applied once to the result
+            return self.project_out(y_shared + self.residual(y_res, self.B_v))
+        # A prompt or a chunk after a prefix: every head's keys and values at every position (the
+        # new tokens' key residuals are built already), q, k and v d_h wide as in training. Eq. 7's
+        # [V_shared | R_h^V] is d_h + r wide: flash attention refuses a v wider than q and k, and
+        # at 128M's 174 so does every fast kernel, which leaves PyTorch's math one (all T x S
+        # scores at once). Building V_h costs S H r d_h multiply-adds, as rebuilding the keys does.
+        S = v_shared.size(1)
+        res_k = torch.cat((self.residual(r_k[:, :S - T], self.B_k), res_k), dim=1)
+        k = (k_shared.unsqueeze(2) + apply_rope(res_k, rope)) / rho.unsqueeze(-1)
+        return self.project_out(self.attend(q, k, self.values(v_shared, r_v)))
 
     def decode_step(self, q, k_shared, v_shared, r_k, r_v, rho, rope):
         """One new token's attention over all S cached positions, exact, without building any
@@ -462,18 +467,22 @@ class MultiHeadLatentAttention(Attention):
         # queries' rotate-after-norm. The norm couples k_R with each head's c W_up,h^K, which is
         # why W_up^K cannot simply be absorbed into the query (but see decode_step).
         k = self.keys(c, k_rope)
-        if cache is None:
+        fresh = cache is None or cache.pos == 0  # training or a prompt: every key and value is new
+        if cache is not None:
+            c, k_rope, rho = cache.update(c=c, k_rope=k_rope, rho=rms(k))
+        if fresh:
             # Flash attention wants v as wide as q and k: zero-pad v by d_R and drop the padded
             # (all-zero) output dims, d_R / d_h more work in a v than an unpadded kernel would do.
             v = F.pad(self.W_up_v(c).view(B, T, self.n_head, self.head_dim), (0, self.rope_dim))
             return self.project_out(self.attend(q, norm(k), v)[..., :self.head_dim])
-        c, k_rope, rho = cache.update(c=c, k_rope=k_rope, rho=rms(k))
-        # decoding attends over the latent itself, as a_h V_h = (a_h c) W_up,h^V exactly
+        # Decoding after a prefix attends over the latent itself, as a_h V_h = (a_h c) W_up,h^V
+        # exactly: cheaper than applying W_up^V to every cached c, though flash attention refuses
+        # a v (d_c wide) unlike q and k (d_h + d_R).
         if T == 1:
             y = self.decode_step(q, c, k_rope, rho)
         else:
-            # a prompt or a chunk after a prefix: rebuild every head's keys at every position
-            # (the new tokens' keys are built already)
+            # a chunk after a prefix: rebuild every head's keys at every position (the new
+            # tokens' keys are built already)
             S = c.size(1)
             k = torch.cat((self.keys(c[:, :S - T], k_rope[:, :S - T]), k), dim=1) / rho.unsqueeze(-1)
             y = self.attend(q, k, c.unsqueeze(2).expand(B, S, self.n_head, self.kv_lora_rank))

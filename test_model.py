@@ -199,6 +199,24 @@ def test_cached_decoding_equals_full_forward(attn):
     assert (torch.cat(pieces, dim=1) - full).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("attn", ATTENTION)
+def test_a_prompt_runs_the_attention_kernel_training_runs(attn):
+    """A prompt into an empty cache gets training's SDPA kernel. Values that flash attention
+    refuses (LRKV's [V_shared | R_h^V], d_h + r wide; MLA's latent, here narrower than its q/k
+    heads) would put it on PyTorch's math kernel, which holds all T x T scores at once."""
+    model = tiny_model(attn, kv_lora_rank=16)
+    idx = torch.randint(0, TINY.vocab_size, (2, 20))
+
+    def sdpa_ops(**kwargs):
+        with torch.no_grad(), torch.profiler.profile() as prof:
+            model(idx, **kwargs)
+        return sorted({e.key for e in prof.key_averages() if e.key.startswith("aten::_scaled_dot_product_")})
+
+    training = sdpa_ops()
+    assert training, "the profiler saw no attention op"
+    assert sdpa_ops(caches=model.new_caches(2, 20, dtype=torch.float32)) == training
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3), (torch.float32, 1e-5),
                                         (torch.float64, 1e-12)], ids=["bf16", "fp16", "fp32", "fp64"])
 def test_cached_rms_is_what_norm_divides_by(dtype, tol):
