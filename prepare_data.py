@@ -14,6 +14,8 @@ is unfinished, and rerunning the same command resumes after the last finished sh
 """
 import argparse
 import ast
+import base64
+import hashlib
 import importlib
 import json
 import os
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import tiktoken
+from tiktoken_ext.openai_public import r50k_pat_str
 from tqdm import tqdm
 
 MAGIC = b"LRKVTOK\0"
@@ -100,7 +103,9 @@ def shard_paths(data_dir, split):
 # -----------------------------------------------------------------------------
 # tokenizers
 
-# encode_batch(texts) gives each text's tokens as a uint16 array, the dtype of the shards
+# encode_batch(texts) gives each text's tokens as a uint16 array, the dtype of the shards;
+# decode_bytes(ids) their UTF-8 bytes, none for end-of-text; a token can end mid-character,
+# so a stream of them wants an incremental UTF-8 decoder
 
 class ByteTokenizer:
     """UTF-8 bytes. NUL never occurs in text, so it is free to mark the end of a document."""
@@ -110,25 +115,38 @@ class ByteTokenizer:
         return [np.frombuffer(t.replace("\0", "").encode(), dtype=np.uint8).astype(np.uint16)
                 for t in texts]
 
+    def decode_bytes(self, ids):
+        ids = np.asarray(ids, dtype=np.uint8)
+        return ids[ids != self.eot_id].tobytes()
+
     def decode(self, ids):
-        return np.asarray(ids, dtype=np.uint8).tobytes().decode(errors="replace")
+        return self.decode_bytes(ids).decode(errors="replace")
 
     def token_bytes(self):
         lengths = np.ones(self.vocab_size, dtype=np.int64)
         lengths[self.eot_id] = 0
         return lengths
 
+# GPT-2's vocabulary, MIT-licensed by OpenAI, ships here so that nothing is downloaded: tiktoken's
+# r50k_base.tiktoken, which must have the sha256 tiktoken publishes for it
+GPT2_RANKS = Path(__file__).resolve().parent / "gpt2.tiktoken"
+GPT2_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+
+def gpt2_ranks():
+    # read here, not by tiktoken.load, which copies even a local file into its cache folder and
+    # fails where that folder is read-only
+    data = GPT2_RANKS.read_bytes()
+    if hashlib.sha256(data).hexdigest() != GPT2_SHA256:
+        raise ValueError(f"{GPT2_RANKS} is not GPT-2's vocabulary (wrong sha256): restore it from git")
+    return {base64.b64decode(token): int(rank) for token, rank in map(bytes.split, data.splitlines())}
+
 class GPT2Tokenizer:
     """GPT-2 BPE. r50k_base has the same ranks as tiktoken's "gpt2", stored in one file."""
     name = "gpt2"
 
     def __init__(self):
-        try:
-            self.enc = tiktoken.get_encoding("r50k_base")
-        except OSError as e:
-            raise ConnectionError("the gpt2 tokenizer downloads its ranks once and the network "
-                                  "is unreachable: set TIKTOKEN_CACHE_DIR to a tiktoken cache, "
-                                  "or use --tokenizer=byte") from e
+        self.enc = tiktoken.Encoding(name="r50k_base", pat_str=r50k_pat_str, mergeable_ranks=gpt2_ranks(),
+                                     special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)
         self.vocab_size, self.eot_id = self.enc.n_vocab, self.enc.eot_token
 
     def encode_batch(self, texts):
@@ -144,8 +162,12 @@ class GPT2Tokenizer:
             parts = pool.map(encode, [texts[i:i + step] for i in range(0, len(texts), step)])
         return [ids for part in parts for ids in part]
 
+    def decode_bytes(self, ids):
+        ids = np.asarray(ids)
+        return self.enc.decode_bytes(ids[ids != self.eot_id].tolist())
+
     def decode(self, ids):
-        return self.enc.decode(np.asarray(ids).tolist())
+        return self.decode_bytes(ids).decode(errors="replace")
 
     def token_bytes(self):
         lengths = np.array([len(self.enc.decode_single_token_bytes(i))

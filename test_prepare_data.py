@@ -1,5 +1,7 @@
-"""Tests for prepare_data.py. Offline: the GPT-2 ranks come from ../shared/tiktoken, and the
+"""Tests for prepare_data.py. Offline: the GPT-2 ranks ship in gpt2.tiktoken, and the
 FineWeb-Edu path reads a parquet file written here with FineWeb-Edu's schema."""
+import codecs
+import hashlib
 import os
 import random
 import re
@@ -11,11 +13,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import tiktoken
+import tiktoken.load
+from tiktoken_ext import openai_public
 
 import prepare_data as pd
 
 REPO = Path(__file__).resolve().parent
-os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(REPO.parent / "shared" / "tiktoken"))
 
 WORDS = ("the key and value cache of attention is low rank so we store a small projection "
          "instead of every head ünïcödé 数据 naïve café 🙂 tabs\tand\nnewlines").split(" ")
@@ -96,6 +100,57 @@ def test_gpt2_known_ids():
     assert tok.eot_id not in ids[2]  # text that spells the marker is still text
     texts = make_texts(50)
     assert [tok.decode(x) for x in tok.encode_batch(texts)] == texts
+
+def test_gpt2_is_tiktokens_r50k_base(monkeypatch):
+    """The shipped file has the hash tiktoken publishes for r50k_base, and tiktoken's own
+    r50k_base, its ranks read from that file by tiktoken's loader, encodes as ours does."""
+    published = []
+    def load(url, expected_hash):
+        assert url.endswith("/r50k_base.tiktoken")
+        published.append(expected_hash)
+        return tiktoken.load.load_tiktoken_bpe(str(pd.GPT2_RANKS))
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")  # read the file without copying it into a cache
+    monkeypatch.setattr(openai_public, "load_tiktoken_bpe", load)
+    theirs = tiktoken.Encoding(**openai_public.r50k_base())
+    assert published == [pd.GPT2_SHA256] == [hashlib.sha256(pd.GPT2_RANKS.read_bytes()).hexdigest()]
+    ours = pd.get_tokenizer("gpt2").enc
+    assert (ours.name, ours.n_vocab, ours.eot_token) == (theirs.name, theirs.n_vocab, theirs.eot_token)
+    assert ours.special_tokens_set == theirs.special_tokens_set
+    assert all(ours.decode_single_token_bytes(i) == theirs.decode_single_token_bytes(i)
+               for i in range(ours.n_vocab))
+    text = ("<|endoftext|>x<|endoftext|> <|fim_prefix|><|endofprompt|> <|endoftext\n"
+            "  two  spaces,\ttabs\t\t and trailing   \n\n\n   \r\n \u00a0nbsp\u3000ideographic\u200bzwsp\n"
+            "it's we'll they'RE I'd don\u2019t 123456789 3.14159 1,000,000 x2y3\n"
+            "ünïcödé 数据 naïve café 🙂 \U0001f469\u200d\U0001f467 العربية नमस्ते ﷽\n"
+            + " ".join(make_texts(20)) + "   ")
+    for special in ({"disallowed_special": ()}, {"allowed_special": "all"}):
+        assert ours.encode(text, **special) == theirs.encode(text, **special)
+    assert ours.encode(text, allowed_special="all").count(ours.eot_token) == 2
+
+def test_corrupt_gpt2_vocabulary_is_one_line(tmp_path, monkeypatch):
+    bad = tmp_path / "gpt2.tiktoken"
+    bad.write_bytes(pd.GPT2_RANKS.read_bytes()[:-1000])
+    monkeypatch.setattr(pd, "GPT2_RANKS", bad)
+    (tmp_path / "a.txt").write_text("some text")
+    with pytest.raises(SystemExit) as error:
+        pd.main(["--dataset=text", f"--input={tmp_path / 'a.txt'}", f"--out_dir={tmp_path / 'out'}"])
+    message = str(error.value)
+    assert message.startswith("prepare_data.py: error: ") and "\n" not in message
+    assert str(bad) in message and "sha256" in message and not (tmp_path / "out").exists()
+
+@pytest.mark.parametrize("name", ["byte", "gpt2"])
+def test_decode_bytes_feeds_an_incremental_utf8_decoder(name):
+    tok = pd.get_tokenizer(name)
+    text = "ünïcödé 数据 naïve café 🙂 𝔘𝔫𝔦𝔠𝔬𝔡𝔢\n"
+    ids = tok.encode_batch([text])[0]
+    assert tok.decode_bytes([tok.eot_id, *ids, tok.eot_id]) == text.encode()
+    pieces = [tok.decode_bytes([i]) for i in ids]
+    assert b"".join(pieces) == text.encode() and tok.decode_bytes([tok.eot_id]) == b""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    assert "".join(decoder.decode(piece) for piece in pieces) + decoder.decode(b"", final=True) == text
+    prefixes = [ids[:k] for k in range(len(ids) + 1)]
+    assert any("\ufffd" in tok.decode(x) for x in prefixes)  # some end mid-character
+    assert all(tok.decode(x) == tok.decode_bytes(x).decode(errors="replace") for x in prefixes)
 
 @pytest.mark.parametrize("name", ["byte", "gpt2"])
 def test_token_bytes_count_utf8_bytes(name):
