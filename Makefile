@@ -1,6 +1,7 @@
 # make demo: the paper's six head-diversity models at CPU size on the embedded corpus, then the figures.
-# make docs: the demo's figures into docs/ for the README. make test: the whole test suite.
+# make docs: the demo's and the conversion's figures into docs/. make test: the whole test suite.
 # make demo SEED=1: the same demo from another seed, in its own folder (out/demo-seed1).
+# make convert (after make demo): the demo's MHA models converted to smaller caches and uptrained.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -25,7 +26,7 @@ FLAGS_mqa := --attn=mqa
 FLAGS_mla := --attn=mla
 FLAGS_gqa := --attn=gqa
 
-.PHONY: demo docs test gpu-demo
+.PHONY: demo docs test gpu-demo convert convert-seed
 .DELETE_ON_ERROR:
 
 $(VENV)/installed: requirements.txt requirements-fineweb.txt requirements-dev.txt
@@ -51,7 +52,34 @@ $(DEMO)/%/trained: $(DEMO_DATA)
 demo: $(DEMO_DATA)
 	$(MAKE) --no-print-directory -j$(JOBS) $(TRAINED)
 	$(PY) analyze.py $(CKPTS) --out_dir=$(DEMO)
-	@echo "figures and analysis.json in $(DEMO)/; the table is above"
+	@for run in $(RUNS); do echo; echo "$$run, greedy:"; \
+		$(PY) sample.py $(DEMO)/$$run/ckpt.pt --prompt="def " --temperature=0 --max_new_tokens=80 --device=cpu || exit 1; done
+	@echo "figures and analysis.json in $(DEMO)/; the table is above the samples"
+
+# make convert: for seeds 0 and 1, the demo's MHA model converted to LRKV r = 1, 2, 4, 8, GQA and
+# MQA, and MHA itself as the control, each uptrained 60 steps (config/convert.py: 10% of the
+# demo's 600), then analysed beside that seed's from-scratch demo runs (trained first if missing)
+CONVERT = out/convert$(seed_suffix)
+CONVERT_RUNS := mha lrkv-r1 lrkv-r2 lrkv-r4 lrkv-r8 gqa mqa
+CONVERTED = $(foreach run,$(CONVERT_RUNS),$(CONVERT)/$(run)/trained)
+FLAGS_lrkv-r1 := --attn=lrkv --lrkv_rank=1
+FLAGS_lrkv-r4 := --attn=lrkv --lrkv_rank=4
+
+$(CONVERT)/%/trained: $(DEMO)/mha/trained
+	@mkdir -p $(@D)
+	@echo "converting $(DEMO)/mha to $* -> $(@D)/train.out"
+	@OMP_NUM_THREADS=1 $(PY) train.py config/demo.py config/convert.py $(FLAGS_$*) --seed=$(SEED) \
+		--init_from=$(DEMO)/mha/ckpt.pt --out_dir=$(@D) > $(@D)/train.out || { tail -n 5 $(@D)/train.out; exit 1; }
+	@echo "$*: $$(grep 'step 0 |' $(@D)/train.out) -> $$(tail -n 1 $(@D)/train.out)"
+	@touch $@
+
+convert-seed: $(DEMO_DATA)
+	$(MAKE) --no-print-directory -j$(JOBS) $(TRAINED) $(CONVERTED)
+	$(PY) analyze.py $(CONVERT) $(CKPTS) --out_dir=$(CONVERT)
+
+convert:
+	$(MAKE) --no-print-directory convert-seed SEED=0
+	$(MAKE) --no-print-directory convert-seed SEED=1
 
 # make gpu-demo: the same six runs at the paper's 128M shape on one GPU, ~10 min each on an H200
 # (config/gpu.py), the ranks at the paper's head dim of 128
@@ -72,7 +100,10 @@ $(GPU_DEMO)/%/trained: $(GPU_DATA)
 gpu-demo: $(GPU_CKPTS:ckpt.pt=trained)
 	$(PY) analyze.py $(GPU_CKPTS) --out_dir=$(GPU_DEMO)
 
-# the README's figures are the demo's
-docs: demo
+# the README's figures: the demo's, seed 0, and the conversion's, both seeds
+docs: demo convert
 	mkdir -p docs
-	cp $(DEMO)/effective_rank.png $(DEMO)/head_correlation.png $(DEMO)/loss_curves.png docs/
+	cp $(DEMO)/effective_rank.png $(DEMO)/head_correlation.png $(DEMO)/loss_curves.png $(DEMO)/kv_tradeoff.png docs/
+	cp out/convert/rank_energy.png docs/rank_energy.png
+	cp out/convert/kv_tradeoff.png docs/convert_tradeoff.png
+	cp out/convert-seed1/kv_tradeoff.png docs/convert_tradeoff-seed1.png

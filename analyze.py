@@ -11,8 +11,10 @@ $ python analyze.py out/*/ckpt.pt           # or a folder holding */ckpt.pt: pyt
 $ python analyze.py out/mha/ckpt.pt --layer mean --centered --out_dir figures
 
 Writes effective_rank.png, head_correlation.png, kv_tradeoff.png, loss_curves.png (from each
-run's log.jsonl beside its checkpoint) and analysis.json, and prints a table. Everything runs on
-the CPU in float64.
+run's log.jsonl beside its checkpoint), rank_energy.png (for an MHA checkpoint: how much rank
+its heads' keys and values need, from the weights alone) and analysis.json, and prints a table.
+Runs started from another checkpoint (train.py --init_from) are told apart and show where they
+started. Everything runs on the CPU in float64.
 """
 
 import argparse
@@ -25,7 +27,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from model import ATTENTION
+from model import ATTENTION, shared_plus_low_rank
 from train import ConfigError, load_checkpoint, read_log
 
 
@@ -70,10 +72,29 @@ def effective_rank(G, centered=False):
     return math.exp(-(p * np.log(p)).sum())
 
 
-def loss_curves(path, ckpt):
-    """The training and validation losses that train.py logged beside the checkpoint, against
-    tokens seen: {"train": [[tokens, loss], ...], "val": [...]}, or None without a log."""
-    records = read_log(Path(path).parent)
+def rank_energy(model):
+    """Per layer, for keys and for values: the share of the heads' deviation from their mean,
+    sum_h ||W_h - W_shared||_F^2, that a rank-r residual per head keeps, for r = 1..d_h: the
+    energy LRKV's conversion from these heads keeps (shared_plus_low_rank; by Eckart-Young no
+    rank-r residuals keep more). None for a variant with no per-head projections or no spread."""
+    try:
+        per_layer = [block.attn.head_kv_weights() for block in model.blocks]
+    except ValueError:
+        return None
+    energy = {"keys": [], "values": []}
+    for W_K, W_V in per_layer:
+        for name, W in (("keys", W_K), ("values", W_V)):
+            S = shared_plus_low_rank(W, 0)[3]  # (H, d_h) singular values of each W_h - W_shared
+            by_rank = S.pow(2).sum(0)  # (d_h,): what the heads' i-th singular directions hold together
+            if by_rank.sum() == 0:
+                return None
+            energy[name].append((by_rank.cumsum(0) / by_rank.sum()).tolist())
+    return energy
+
+
+def loss_curves(records, ckpt):
+    """The training and validation losses that train.py logged beside the checkpoint (records),
+    against tokens seen: {"train": [[tokens, loss], ...], "val": [...]}, or None without a log."""
     if not records or "config" not in ckpt:
         return None
     tokens_per_step = ckpt["config"]["batch_size"] * ckpt["model_args"]["block_size"]
@@ -98,6 +119,8 @@ def analyze(path):
     similarity = [head_similarity(Wq, Wk) for Wq, Wk in model.head_qk_weights()]
     kv_elements = model.kv_cache_elements_per_token()
     validation = {key: None if ckpt.get(key) is None else float(ckpt[key]) for key in ("val_loss", "val_bpb")}
+    records = read_log(Path(path).parent)
+    init_from = ckpt.get("config", {}).get("init_from") or None
     return config, {
         "ckpt": str(path),
         "attn": config.attn,
@@ -107,11 +130,24 @@ def analyze(path):
         "kv_cache_elements_per_token": kv_elements,
         "kv_cache_fraction": kv_elements / (2 * config.n_head * config.head_dim),  # of MHA's 2 H d_h
         **validation,
-        "curves": loss_curves(path, ckpt),
+        "curves": loss_curves(records, ckpt),
+        "init_from": init_from,
+        "init_from_attn": source_attn(init_from),
+        # a run from --init_from evaluates the converted model at step 0, before any update
+        "start": next(({k: r[k] for k in ("val_loss", "val_bpb")} for r in records if r["step"] == 0 and "val_loss" in r), None),
+        "rank_energy": rank_energy(model),
         "effective_rank": [effective_rank(G) for G in similarity],
         "effective_rank_centered": [effective_rank(G, centered=True) for G in similarity],
         "similarity": [G.tolist() for G in similarity],
     }
+
+
+def source_attn(path):
+    """The variant of the checkpoint a run started from, or None if it is gone."""
+    try:
+        return load_checkpoint(path)[0]["model_args"]["attn"] if path else None
+    except ConfigError:
+        return None
 
 
 def legend_key(config):
@@ -120,10 +156,24 @@ def legend_key(config):
     return ATTENTION[config.attn].legend_key(config)
 
 
-def legend_labels(configs, ckpts):
-    """The paper's legend labels, each variant's own (Attention.legend_label); a label that would
-    still name two checkpoints (two seeds, say) gets each one's folder appended."""
-    names = [ATTENTION[c.attn].legend_label(c, [peer for peer in configs if peer.attn == c.attn]) for c in configs]
+def colors(labels):
+    """matplotlib's colour cycle in legend order (the paper's colours), a converted run taking the
+    colour of the run from scratch with its label where there is one."""
+    bases = list(dict.fromkeys(label.split(", ")[0] for label in labels))
+    return [f"C{bases.index(label.split(', ')[0]) % 10}" for label in labels]
+
+
+def legend_labels(configs, runs):
+    """The paper's legend labels, each variant's own (Attention.legend_label), and for a run
+    started from another checkpoint "uptrained" (of the same variant) or "converted"; a label
+    that would still name two checkpoints (two seeds, say) gets each one's folder appended."""
+    def started(run):
+        if not run["init_from"]:
+            return ""
+        return ", uptrained" if run["init_from_attn"] == run["attn"] else ", converted"
+    names = [ATTENTION[c.attn].legend_label(c, [peer for peer in configs if peer.attn == c.attn]) + started(run)
+             for c, run in zip(configs, runs)]
+    ckpts = [run["ckpt"] for run in runs]
     return [f"{name} ({Path(ckpt).parent})" if names.count(name) > 1 else name for name, ckpt in zip(names, ckpts)]
 
 
@@ -146,8 +196,8 @@ def plot_effective_rank(runs, centered):
     redundant, top = (0, H - 1) if centered else (1, H)
     fig = Figure(figsize=(7.5, 4), layout="constrained")
     ax = fig.subplots()
-    for i, run in enumerate(runs):
-        ax.plot(run[key], marker="o", markersize=4, color=f"C{i}", label=run["label"])
+    for run in runs:
+        ax.plot(run[key], marker="o", markersize=4, color=run["color"], label=run["label"])
     ax.axhline(redundant, color="gray", linestyle="--", label="Fully redundant")
     ax.set_ylim(redundant - 0.2, top + 0.2)
     ax.set_yticks(range(redundant, top + 1))
@@ -203,7 +253,8 @@ def pareto_front(points):
 
 def plot_kv_tradeoff(runs):
     """Validation loss and BPB against KV cache per token as % of MHA, one point per checkpoint
-    with validation numbers, and their Pareto front.
+    with validation numbers, and their Pareto front; a converted run (diamond) also where it
+    started (hollow), before uptraining.
     None if no checkpoint carries validation numbers."""
     metrics = [("val_loss", "Validation loss (nats/token)"), ("val_bpb", "Validation bits per byte")]
     metrics = [(key, name) for key, name in metrics if any(run[key] is not None for run in runs)]
@@ -214,7 +265,12 @@ def plot_kv_tradeoff(runs):
     for ax, (key, name) in zip(axes, metrics):
         points = [(100 * run["kv_cache_fraction"], run[key], i) for i, run in enumerate(runs) if run[key] is not None]
         for x, y, i in points:
-            ax.scatter(x, y, color=f"C{i}", label=runs[i]["label"], zorder=3)
+            start = runs[i]["start"]
+            marker = "D" if runs[i]["init_from"] else "o"
+            ax.scatter(x, y, color=runs[i]["color"], marker=marker, label=runs[i]["label"], zorder=3)
+            if start is not None:  # where a converted run began, before uptraining
+                ax.scatter(x, start[key], facecolors="none", edgecolors=runs[i]["color"], marker=marker, zorder=3)
+                ax.plot([x, x], [start[key], y], color=runs[i]["color"], linestyle=":", zorder=2)
         front = pareto_front([(x, y) for x, y, _ in points])
         ax.plot(*zip(*front), color="gray", linestyle="--", zorder=2, label="Pareto front")
         ax.grid(alpha=0.3)
@@ -234,10 +290,10 @@ def plot_loss_curves(runs):
     fig = Figure(figsize=(10, 3.8), layout="constrained")
     axes = fig.subplots(1, 2)
     for ax, kind, name in zip(axes, ("val", "train"), ("Validation loss", "Training loss")):
-        for i, run in enumerate(runs):
+        for run in runs:
             if run["curves"] and run["curves"][kind]:
                 tokens, loss = zip(*run["curves"][kind])
-                ax.plot(np.array(tokens) / 1e6, loss, color=f"C{i}", label=run["label"],
+                ax.plot(np.array(tokens) / 1e6, loss, color=run["color"], label=run["label"],
                         marker="o" if kind == "val" else None, markersize=3)
         ax.grid(alpha=0.3)
         ax.set_xlabel("Tokens (millions)")
@@ -247,9 +303,33 @@ def plot_loss_curves(runs):
     return fig
 
 
+def plot_rank_energy(run, head_dim):
+    """run's rank_energy: per layer, the share of its heads' key (left) and value (right)
+    deviation from their mean that a rank-r residual per head keeps, with the paper's ranks
+    (r = 16, 46 and 64 of d_h = 128) marked where they fall at this head dim."""
+    fig = Figure(figsize=(10, 3.8), layout="constrained")
+    axes = fig.subplots(1, 2, sharey=True)
+    ranks = np.arange(1, head_dim + 1)
+    for ax, name in zip(axes, ("keys", "values")):
+        for layer, kept in enumerate(run["rank_energy"][name]):
+            ax.plot(ranks, kept, marker="o", markersize=3, color=f"C{layer}", label=f"layer {layer}")
+        for paper_r, style in ((16, ":"), (46, "--"), (64, "-.")):
+            ax.axvline(paper_r * head_dim / 128, color="gray", linestyle=style,
+                       label=f"the paper's r = {paper_r} of 128 (here {paper_r * head_dim / 128:g})")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.set_xlabel("Rank r of each head's residual")
+        ax.set_title(name.capitalize())
+    axes[0].set_ylabel("Share of sum_h ||W_h - mean||_F^2 kept")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right upper")
+    fig.suptitle(f"Rank the Heads Need ({run['label']}, {model_size(run['n_params'])})")
+    return fig
+
+
 def print_table(runs):
-    rows = [("", "params", "KV elements/token/layer", "% of MHA", "val loss", "val BPB",
-             "eff. rank (% of H)", "centred (% of H)")]
+    converted = any(run["start"] for run in runs)
+    rows = [("", "params", "KV elements/token/layer", "% of MHA", *(["val loss at step 0"] if converted else []),
+             "val loss", "val BPB", "eff. rank (% of H)", "centred (% of H)")]
     for run in runs:
         mean_ranks = [sum(run[key]) / run["n_layer"] for key in ("effective_rank", "effective_rank_centered")]
         rows.append((
@@ -257,6 +337,7 @@ def print_table(runs):
             f"{run['n_params'] / 1e6:.1f}M",
             str(run["kv_cache_elements_per_token"]),
             f"{100 * run['kv_cache_fraction']:.1f}",
+            *([f"{run['start']['val_loss']:.3f}" if run["start"] else "-"] if converted else []),
             "-" if run["val_loss"] is None else f"{run['val_loss']:.3f}",
             "-" if run["val_bpb"] is None else f"{run['val_bpb']:.3f}",
             *(f"{rank:.2f} ({100 * rank / run['n_head']:.1f}%)" for rank in mean_ranks),
@@ -274,7 +355,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="Head diversity of GPT checkpoints, from their weights alone.")
     parser.add_argument("ckpts", nargs="+", help="checkpoints, or folders holding */ckpt.pt")
     parser.add_argument("--out_dir", type=Path,
-                        help="where the figures and analysis.json go (default: the folder of the first checkpoint)")
+                        help="where the figures and analysis.json go (default: the first argument if it is a folder, "
+                        "else the first checkpoint's folder)")
     # The paper does not say which layer its heatmaps show. Default: the one where the runs differ
     # most, which is where the variants' heads tell them apart. Not the mean:
     # any order of a layer's heads is the same model, so head i of one layer has nothing to do
@@ -291,15 +373,19 @@ def main(argv=None):
         if not found:
             fail(name, "a folder with no */ckpt.pt in it")
         paths += found
-    analysed = sorted((analyze(path) for path in paths), key=lambda config_run: legend_key(config_run[0]))
+    # runs from scratch first, then converted ones, each in the paper's legend order
+    analysed = sorted((analyze(path) for path in paths),
+                      key=lambda config_run: (config_run[1]["init_from"] is not None, legend_key(config_run[0])))
     configs, runs = zip(*analysed)
-    runs = [{"label": label, **run} for label, run in zip(legend_labels(configs, [run["ckpt"] for run in runs]), runs)]
+    labels = legend_labels(configs, runs)
+    runs = [{"label": label, "color": color, **run} for label, color, run in zip(labels, colors(labels), runs)]
     if isinstance(args.layer, int):
         for run in runs:
             if not -run["n_layer"] <= args.layer < run["n_layer"]:
                 fail(run["ckpt"], f"has {run['n_layer']} layers, so no --layer {args.layer}")
 
-    out_dir = args.out_dir or paths[0].parent
+    first = Path(args.ckpts[0])
+    out_dir = args.out_dir or (first if first.is_dir() else first.parent)
     out_dir.mkdir(parents=True, exist_ok=True)
     print_table(runs)
     figures = {
@@ -308,6 +394,9 @@ def main(argv=None):
         "kv_tradeoff.png": plot_kv_tradeoff(runs),
         "loss_curves.png": plot_loss_curves(runs),
     }
+    mha = next((run for run in runs if run["attn"] == "mha" and run["rank_energy"] and not run["init_from"]), None)
+    if mha is not None:
+        figures["rank_energy.png"] = plot_rank_energy(mha, len(mha["rank_energy"]["keys"][0]))
     needs = {"kv_tradeoff.png": "validation numbers", "loss_curves.png": "a log.jsonl beside it"}
     for name, fig in figures.items():
         if fig is None:

@@ -10,8 +10,10 @@ context length, is full, every variant in turn over several rounds (bench_decode
 token back to back and a step alone, tokens/s, the MiB its buffers hold and their share of
 MHA's. At the shortest context, generate() with and without the cache shows what the cache
 buys. Decoding runs in bf16 on a GPU, weights and cache alike, as a server would hold them
-(autocast would re-cast every weight at every token), and in fp32 on a CPU. It is not compiled:
-the caches grow by one position a step, so on a GPU every step also pays its kernel launches.
+(autocast would re-cast every weight at every token), and in fp32 on a CPU. Eager, the caches
+grow by one position a step and on a GPU every step pays its kernel launches; compiled, the
+step runs on fixed shapes (model.compiled_step: the whole cache under a position mask), as one
+CUDA graph on a GPU.
 
     python bench.py --preset=cpu
     python bench.py --preset=128m --device=cuda --check --out=bench_gpu.json
@@ -36,7 +38,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from model import ATTENTION, GPT, GPTConfig
+from model import ATTENTION, GPT, GPTConfig, compiled_step, fix
 from prepare_data import atomic_open
 from train import TrainConfig, configure_optimizers, optimizer_step, peak_flops
 
@@ -199,7 +201,7 @@ def bench_train(config, preset, device, compile, profile):
 
 
 @torch.inference_mode()
-def bench_decode(configs, preset, device, dtype):
+def bench_decode(configs, preset, device, dtype, compiled, measured=lambda rows: None):
     """{variant: (rows, generate's row)} for every config at once, interleaved. Per context, each
     variant is prefilled to the same position; then in each of DECODE_ROUNDS rounds every variant
     in turn runs the n steps that fill its cache, over the same positions each round, twice: each
@@ -207,7 +209,10 @@ def bench_decode(configs, preset, device, dtype):
     the end, as generate() runs them (on a GPU the host then queues the next step while the
     device runs this one). A machine whose load drifts (a busy CPU) slows every variant of a round
     alike, where variants measured one after another would each see another load. ms_per_token:
-    the median of the back-to-back rounds; step_alone_ms_per_token: the median single step."""
+    the median of the back-to-back rounds; step_alone_ms_per_token: the median single step. With
+    compiled, then the same rounds of the compiled fixed-shape step, compiled (a graph per variant
+    and context) before they start: compiled_ms_per_token. measured(rows) is called after each
+    context with the rows so far, so that a run cut short keeps them."""
     B, n = preset["decode_batch"], preset["new_tokens"]
     models = {attn: inference_model(config, device, dtype) for attn, config in configs.items()}
     vocab_size = next(iter(configs.values())).vocab_size  # one preset: the same for every variant
@@ -235,12 +240,15 @@ def bench_decode(configs, preset, device, dtype):
                 for _ in range(n):
                     token = models[attn](token, caches=caches)[0].argmax(-1)
                 back_to_back.append((clock(device) - t0) / n)
+        fixed = compiled_rounds(models, state, n, device) if compiled else {}
         for attn, (caches, _, _, alone, back_to_back) in state.items():
             ms = 1000 * statistics.median(back_to_back)
             mib = sum(buf.nbytes for cache in caches for buf in cache.buffers()) / MIB
             rows[attn].append(dict(context=L, ms_per_token=ms, tokens_per_s=B * 1000 / ms,
-                                   step_alone_ms_per_token=1000 * statistics.median(alone), cache_mib=mib))
+                                   step_alone_ms_per_token=1000 * statistics.median(alone), cache_mib=mib,
+                                   compiled_ms_per_token=fixed.get(attn)))
         del state
+        measured(rows)
     # generate() prefills and samples as a user would: per new token, prefill included, and (from
     # the difference with a 1-token call) per step, at the same batch and context as the first row
     prompt = torch.randint(vocab_size, (B, preset["contexts"][0] - n), device=device)
@@ -256,6 +264,30 @@ def bench_decode(configs, preset, device, dtype):
         result[attn] = rows[attn], dict(context=preset["contexts"][0], new_tokens=n, cached_ms_per_token=cached,
                                         cached_ms_per_step=step, uncached_ms_per_token=uncached, speedup=uncached / cached)
     return result
+
+
+def compiled_rounds(models, state, n, device):
+    """{variant: ms per token} of the compiled fixed-shape step over bench_decode's positions: the
+    caches fixed at the rounds' start, two steps to compile (and on a GPU record the CUDA graph),
+    then DECODE_ROUNDS interleaved rounds of n steps back to back, the median round."""
+    torch._dynamo.reset()  # a graph per variant and context: more than dynamo keeps for one function
+    times = {}
+    for attn, (caches, start, token, _, _) in state.items():
+        for cache in caches:
+            cache.pos = start
+        fix(caches)
+        for _ in range(DECODE_WARMUP):
+            compiled_step(models[attn], token, caches)
+        times[attn] = []
+    for _ in range(DECODE_ROUNDS):
+        for attn, (caches, start, token, _, _) in state.items():
+            caches[0].pos.fill_(start)
+            t0 = clock(device)
+            for _ in range(n):
+                token = compiled_step(models[attn], token, caches).argmax(-1, keepdim=True)
+                caches[0].pos += 1
+            times[attn].append((clock(device) - t0) / n)
+    return {attn: 1000 * statistics.median(t) for attn, t in times.items()}
 
 
 def save(result, path):
@@ -283,13 +315,16 @@ def markdown(result):
         lines += ["", f"Decoding: batch {de['batch_size']}, {de['dtype']}, the {de['new_tokens']} new tokens that fill the "
                       f"cache up to the context, every variant in turn in each of {de['rounds']} rounds; ms/token: back to "
                       "back, one sync, median round; a step alone: synced before and after, median step", "",
-                  "| variant | context | ms/token | tokens/s | ms a step alone | cache MiB | % of MHA cache | x MHA time |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| variant | context | ms/token | tokens/s | ms a step alone | compiled ms/token | x MHA compiled | "
+                  "cache MiB | % of MHA cache | x MHA time |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for name, v in variants.items():
             for d in v["decode"]:
+                compiled = "-" if d["compiled_ms_per_token"] is None else f"{d['compiled_ms_per_token']:.2f}"
+                x_compiled = "-" if d["compiled_x_mha"] is None else f"{d['compiled_x_mha']:.2f}"
                 lines.append(f"| {name} | {d['context']} | {d['ms_per_token']:.2f} | {d['tokens_per_s']:,.0f} | "
-                             f"{d['step_alone_ms_per_token']:.2f} | {d['cache_mib']:.1f} | {d['cache_pct_mha']:.1f} | "
-                             f"{d['x_mha']:.2f} |")
+                             f"{d['step_alone_ms_per_token']:.2f} | {compiled} | {x_compiled} | {d['cache_mib']:.1f} | "
+                             f"{d['cache_pct_mha']:.1f} | {d['x_mha']:.2f} |")
         lines += ["", f"generate() with and without the cache: batch {de['batch_size']}, {de['new_tokens']} new tokens "
                       f"after {de['contexts'][0] - de['new_tokens']}, ms per new token, prefill included, and per step "
                       f"(the {de['new_tokens']}-token call less a 1-token call, per extra token)", "",
@@ -325,6 +360,8 @@ def main(argv=None):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.compile the training step (default: on CUDA)")
+    parser.add_argument("--compiled_decode", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time the compiled fixed-shape decode step (compiling takes seconds to minutes)")
     parser.add_argument("--check", action="store_true",
                         help="also check flash attention and cached decoding; on a GPU, record which attention "
                              "kernels training runs and time MHA with each SDPA backend")
@@ -375,16 +412,25 @@ def main(argv=None):
         save(result, args.out)
     if args.only != "train":
         log("decoding, every variant in turn")
+
+        def measured(rows):
+            for attn, decode_rows in rows.items():
+                result["variants"][attn]["decode"] = decode_rows
+            save(result, args.out)
         decoded = bench_decode({attn: GPTConfig(attn=attn, **preset["model"]) for attn in result["variants"]},
-                               preset, device, dtype)
+                               preset, device, dtype, args.compiled_decode, measured)
         for attn, (rows, uncached) in decoded.items():
             row = result["variants"][attn]
             row["decode"], row["uncached"] = rows, uncached
             for d, m in zip(rows, decoded[BASELINE][0]):
                 d["cache_pct_mha"] = 100 * d["cache_mib"] / m["cache_mib"]
                 d["x_mha"] = d["ms_per_token"] / m["ms_per_token"]
+                d["compiled_x_mha"] = (d["compiled_ms_per_token"] / m["compiled_ms_per_token"]
+                                       if d["compiled_ms_per_token"] is not None else None)
             log(f"{attn}: decoding " + ", ".join(f"{d['ms_per_token']:.2f} ms/token ({d['step_alone_ms_per_token']:.2f} "
-                                                 f"a step alone) at {d['context']}" for d in rows)
+                                                 f"a step alone" + (f", compiled {d['compiled_ms_per_token']:.2f}"
+                                                                     if d["compiled_ms_per_token"] else "")
+                                                 + f") at {d['context']}" for d in rows)
                 + f"; without the cache {uncached['speedup']:.1f}x the time")
         save(result, args.out)
     print(markdown(result))

@@ -6,10 +6,14 @@ before every sublayer and on queries and keys, a ReLU^2 MLP, untied embeddings, 
 Only the key/value side of attention changes between variants; every variant keeps H
 full-rank query heads W_q and the output projection W_o.
 
+Read top-down: the config and the pieces every variant uses (norm, RoPE); the Attention
+interface; the five variants, each a class whose forward is its training math, followed by
+what decoding adds and by its conversion from per-head projections; the GPT; then KVCache,
+the per-layer memory that decoding fills (Attention.cache_shapes says what goes in it).
 Training runs one F.scaled_dot_product_attention call per layer over full per-head keys and
-values. Decoding keeps a KVCache per layer holding what each variant must remember per token
-(Attention.cache_shapes). LRKV and MLA rebuild keys from it only for several tokens at once;
-a single new token goes through their exact decode_step, which builds no cached position's key.
+values. Decoding caches only what each variant needs; LRKV and MLA rebuild keys from it only
+for several tokens at once, and a single new token goes through their exact decode_step,
+which builds no cached position's key.
 """
 
 import math
@@ -80,57 +84,32 @@ def apply_rope(x, rope):
     return torch.cat((x_pass, x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
 
 
-class KVCache(nn.Module):
-    """One layer's decoding memory: a (B, max_len, *shape) buffer per cached name, filled up to pos."""
+# -----------------------------------------------------------------------------
+# The attention variants. Each class reads top-down: its math for training first (forward, a
+# screen or less), then what decoding adds (the cache and the exact single-token step), then how
+# it is built from, or gives, H full per-head key and value projections (conversion).
 
-    def __init__(self, batch_size, max_len, shapes, dtype, device=None):
-        super().__init__()
-        self.pos, self.max_len = 0, max_len
-        for name, shape in shapes.items():
-            buf = torch.zeros(batch_size, max_len, *shape, dtype=dtype, device=device)
-            self.register_buffer(name, buf, persistent=False)
-
-    def update(self, **new):
-        """Append the new tokens' entries; return every name's entries so far, in the caller's dtype."""
-        end = self.pos + next(iter(new.values())).size(1)
-        if end > self.max_len:
-            raise ValueError(f"KV cache holds {self.max_len} tokens, {end} were asked for")
-        out = []
-        for name, x in new.items():
-            buf = getattr(self, name)
-            buf[:, self.pos:end] = x
-            out.append(buf[:, :end].to(x.dtype))
-        self.pos = end
-        return out
-
-
-# SDPA backends on a GPU. Flash attention needs fp16/bf16, the same head dim (<= 256) for q, k
-# and v, and no explicit mask (is_causal is fine); it takes enable_gqa, so MQA/GQA never copy
-# K/V per head. Every variant below trains flash-eligible: MLA's q/k heads are d_h + d_R wide
-# (DeepSeek-V2's 128 + 64) and its values d_h, so it zero-pads v to the q/k width. On an H200
-# PyTorch picks cuDNN attention for all five, which ran faster than flash there (README).
-# A prompt into an empty cache attends as training does. A chunk after a prefix needs an
-# explicit mask (memory-efficient or math backend), and MLA's chunks attend over its latent,
-# unlike q/k in width, so not on flash either. LRKV's and MLA's single-token steps call no SDPA.
 class Attention(nn.Module):
     """The interface of an attention variant, and what every variant shares: H full-rank query
     heads W_q (normalised and rotated by `queries`), the output projection W_o and `attend`.
 
-    A variant is a subclass listed in the ATTENTION registry below, which is the only list of
-    variants: GPT, train.py, analyze.py and bench.py know a variant only through the methods
-    here. A subclass must define forward, cache_shapes, head_qk_weights, legend_label and
-    legend_key; check, reset_parameters and attention_macs have defaults that fit a variant whose
-    knobs need no check, whose only parameters are nn.Linear weights, and whose values are
-    head_dim wide.
+    A variant is a subclass listed in the ATTENTION registry below, the only list of variants:
+    GPT, train.py, analyze.py and bench.py know a variant through these methods alone.
+    - Training: forward, legend_label and legend_key must be defined; check, reset_parameters
+      and attention_macs have defaults for a variant whose knobs need no check, whose only
+      parameters are nn.Linear weights and whose values are head_dim wide; head_qk_weights
+      (for analyze.py) comes from head_kv_weights unless the variant defines it.
+    - Decoding: cache_shapes, and forward's cache argument.
+    - Conversion: head_kv_weights and load_head_kv_weights; without them train.py --init_from
+      refuses the variant as a source or as a target.
 
     Widths: every query and key head is qk_dim wide, every value head head_dim (W_o reads H of
     them). RoPE rotates the last rope_dim dims of each query and key head: GPT builds one table of
-    rope_dim / 2 frequencies from layer 0's rope_dim, and apply_rope(t, rope) rotates the last
-    rope_dim dims of whatever (B, T, heads, width) tensor t it is given.
+    rope_dim / 2 frequencies from layer 0's rope_dim.
 
-    Parameters: every one must be a 2-D matrix. train.py's configure_optimizers hands all block
-    parameters to Muon, which orthogonalises matrices; stack per-head factors into one matrix (as
-    LowRankKVAttention stacks its B_h into (H d_h, r))."""
+    Parameters: every one must be a 2-D matrix. train.py hands all block parameters to Muon,
+    which orthogonalises matrices; stack per-head factors into one matrix (as LowRankKVAttention
+    stacks its B_h into (H d_h, r))."""
 
     def __init__(self, config, qk_dim=None, rope_dim=None):
         super().__init__()
@@ -143,21 +122,17 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: torch.Tensor,
                 cache: "KVCache | None" = None) -> torch.Tensor:
         """This layer's attention output (B, T, d), W_o applied, for the normalised input x (B, T, d).
-        rope: the rope_table rows of every position so far, x's T tokens the last T of them.
-        With a cache (a KVCache of cache_shapes), x continues the cached prefix: pass x's entries
-        to cache.update, which appends them and returns every position's, and attend over those."""
-        raise NotImplementedError
-
-    def cache_shapes(self) -> dict[str, tuple[int, ...]]:
-        """What one token leaves in the decoding cache, {name: shape}: KVCache holds a
-        (B, max_len, *shape) buffer per name, and GPT.kv_cache_bytes counts them."""
+        rope: the rope_table rows of x's T positions. With a cache (a KVCache of cache_shapes), x
+        continues the cached prefix: pass x's entries to cache.update, which appends them and
+        returns every position's, and attend over those (attend(q, k, v, cache) masks what a
+        fixed-shape cache holds past x); cache.rope has the rows of every cached position."""
         raise NotImplementedError
 
     def head_qk_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(Wq, Wk), each (H, d, qk_dim): head h's query is x @ Wq[h] and its key x @ Wk[h],
         before the QK norm and RoPE (any other norm on the key path taken as identity). analyze.py
-        measures head diversity on them."""
-        raise NotImplementedError
+        measures head diversity on them. By default the keys are head_kv_weights'."""
+        return self.query_weights(), self.head_kv_weights()[0].mT
 
     @classmethod
     def check(cls, config: "GPTConfig") -> None:
@@ -191,13 +166,21 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         return apply_rope(norm(self.W_q(x).view(B, T, self.n_head, self.qk_dim)), rope)
 
-    def attend(self, q, k, v):
+    # SDPA on a GPU: flash attention needs fp16/bf16, one head dim (<= 256) for q, k and v and no
+    # explicit mask (is_causal is fine); it takes enable_gqa, so MQA/GQA never copy K/V per head.
+    # Every variant trains flash-eligible (MLA zero-pads v to its q/k width); on an H200 PyTorch
+    # picks cuDNN attention for all five (docs/benchmarks.md). A chunk after a cached prefix needs
+    # an explicit mask, which leaves the memory-efficient or math kernel.
+    def attend(self, q, k, v, cache=None):
         """softmax(q k^T / sqrt(d)) v for q (B, T, H, d) against k, v (B, S, H or G, d): the T
-        queries are the last T of the S positions, so T == S is plain causal attention."""
+        queries are the last T of the S positions, so T == S is plain causal attention; or, from
+        a fixed-shape cache, one query against all its max_len positions, those past it masked."""
         T, S = q.size(1), k.size(1)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         gqa = k.size(1) != q.size(1)
-        if T == S or T == 1:
+        if cache is not None and cache.fixed:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.visible(), enable_gqa=gqa)
+        elif T == S or T == 1:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa)
         else:
             mask = torch.arange(S, device=q.device) <= torch.arange(S - T, S, device=q.device)[:, None]
@@ -210,6 +193,24 @@ class Attention(nn.Module):
     def query_weights(self):
         """(H, d, d_qk): head h's query is x @ Wq[h] (before norm and RoPE)."""
         return self.W_q.weight.view(self.n_head, self.qk_dim, -1).transpose(1, 2)
+
+    def cache_shapes(self) -> dict[str, tuple[int, ...]]:
+        """What one token leaves in the decoding cache, {name: shape}: KVCache holds a
+        (B, max_len, *shape) buffer per name, and GPT.kv_cache_bytes counts them."""
+        raise NotImplementedError
+
+    def head_kv_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_K, W_V), each (H, d_h, d) in nn.Linear's layout: head h's key is x @ W_K[h].T before
+        the QK norm and RoPE, its value x @ W_V[h].T. The source of a conversion."""
+        raise ValueError(f"--attn={self.attn_name()} gives no per-head key and value projections to convert from")
+
+    def load_head_kv_weights(self, W_K: torch.Tensor, W_V: torch.Tensor) -> None:
+        """Set this layer's key and value parameters from H per-head projections (head_kv_weights'
+        layout), as close to them as the variant can be. The target of a conversion."""
+        raise ValueError(f"--attn={self.attn_name()} cannot be built from per-head key and value projections")
+
+    def attn_name(self):
+        return next(name for name, cls in ATTENTION.items() if cls is type(self))
 
 
 class GroupedQueryAttention(Attention):
@@ -242,21 +243,32 @@ class GroupedQueryAttention(Attention):
     def legend_key(cls, config):
         return 4, config.n_kv_head
 
-    def cache_shapes(self):
-        return {"k": (self.n_kv_head, self.head_dim), "v": (self.n_kv_head, self.head_dim)}
-
     def forward(self, x, rope, cache=None):
         B, T, _ = x.shape
         q = self.queries(x, rope)
         k = apply_rope(norm(self.W_k(x).view(B, T, self.n_kv_head, self.head_dim)), rope)
         v = self.W_v(x).view(B, T, self.n_kv_head, self.head_dim)
-        if cache is not None:
+        if cache is not None:  # decoding: attend over every position's keys and values so far
             k, v = cache.update(k=k, v=v)
-        return self.project_out(self.attend(q, k, v))
+        return self.project_out(self.attend(q, k, v, cache))
 
-    def head_qk_weights(self):
-        Wk = self.W_k.weight.view(self.n_kv_head, self.head_dim, -1).transpose(1, 2)
-        return self.query_weights(), Wk.repeat_interleave(self.n_head // self.n_kv_head, dim=0)
+    # decoding
+
+    def cache_shapes(self):
+        return {"k": (self.n_kv_head, self.head_dim), "v": (self.n_kv_head, self.head_dim)}
+
+    # conversion
+
+    def head_kv_weights(self):
+        H, G, d_h = self.n_head, self.n_kv_head, self.head_dim
+        return tuple(W.weight.view(G, d_h, -1).repeat_interleave(H // G, dim=0) for W in (self.W_k, self.W_v))
+
+    def load_head_kv_weights(self, W_K, W_V):
+        """Each key/value head is the mean of its group's H/G heads, as Ainslie et al. (2023)
+        convert MHA to GQA; with G = H that is the identity."""
+        G, d_h = self.n_kv_head, self.head_dim
+        for W, heads in ((self.W_k, W_K), (self.W_v, W_V)):
+            W.weight.copy_(heads.view(G, -1, d_h, heads.size(-1)).mean(1).flatten(0, 1))
 
 
 class MultiHeadAttention(GroupedQueryAttention):
@@ -292,11 +304,16 @@ class MultiQueryAttention(GroupedQueryAttention):
 
 
 class LowRankKVAttention(Attention):
-    """LRKV: W_h^K = W_shared^K + U_h^K (B_h^K)^T and W_h^V = W_shared^V + U_h^V (B_h^V)^T.
-    Cache per token: K_shared (rotated), V_shared (d_h each), every head's R_h^K = x U_h^K and
-    R_h^V = x U_h^V (r each), and every head's key RMS rho_h (one number each): 2 d_h + 2 H r + H.
-    The paper's cache is 2 d_h + 2 H r; the H rhos (+0.7% at 128M) spare a single-token step
-    from rebuilding any key (decode_step). The B_h are weights, not cache."""
+    """LRKV: every head's key and value projections are one matrix shared by all heads plus a
+    rank-r residual of the head's own,
+
+        W_h^K = W_shared^K + U_h^K (B_h^K)^T        W_h^V = W_shared^V + U_h^V (B_h^V)^T
+
+    so K_h = X W_shared^K + (X U_h^K)(B_h^K)^T = K_shared + R_h^K (B_h^K)^T, and V_h likewise.
+    Training builds every head's K_h and V_h and attends as MHA does. A decoder caches K_shared,
+    V_shared (d_h each) and every head's R_h^K, R_h^V (r each), the paper's 2 d_h + 2 H r per
+    token, plus each head's key RMS (H numbers, +0.7% at 128M; see decode_step). The B_h are
+    weights, not cache. r = 0 would be MQA; r = d_h gives each head a full-rank residual."""
 
     def __init__(self, config):
         super().__init__(config)
@@ -331,38 +348,49 @@ class LowRankKVAttention(Attention):
         for factor in (self.B_k, self.B_v):
             nn.init.normal_(factor, std=0.1 / math.sqrt(self.lrkv_rank))
 
-    def cache_shapes(self):
-        return {
-            "k_shared": (self.head_dim,), "v_shared": (self.head_dim,),
-            "r_k": (self.n_head, self.lrkv_rank), "r_v": (self.n_head, self.lrkv_rank), "rho": (self.n_head,),
-        }
+    def forward(self, x, rope, cache=None):
+        if cache is not None:
+            return self.decode(x, rope, cache)
+        B, T, _ = x.shape
+        q = self.queries(x, rope)
+        k_shared, v_shared = self.W_shared_k(x), self.W_shared_v(x)  # (B, T, d_h): X W_shared
+        r_k = self.U_k(x).view(B, T, self.n_head, self.lrkv_rank)  # (B, T, H, r): R_h^K = X U_h^K
+        r_v = self.U_v(x).view(B, T, self.n_head, self.lrkv_rank)
+        k = k_shared.unsqueeze(2) + self.residual(r_k, self.B_k)  # (B, T, H, d_h): K_h
+        return self.project_out(self.attend(q, apply_rope(norm(k), rope), self.values(v_shared, r_v)))
 
     def residual(self, R, factor):
         """Every head's R_h B_h^T, factor being B_k or B_v: (B, S, H, r) -> (B, S, H, d_h)."""
         return torch.einsum("bshr,hdr->bshd", R, factor.view(self.n_head, self.head_dim, self.lrkv_rank))
 
     def values(self, v_shared, r_v):
-        """Every head's V_h = V_shared + R_h^V (B_h^V)^T (eq. 6), d_h wide like q and k, which
-        flash attention wants: (B, S, H, d_h)."""
+        """Every head's V_h = V_shared + R_h^V (B_h^V)^T: (B, S, d_h), (B, S, H, r) -> (B, S, H, d_h)."""
         return v_shared.unsqueeze(2) + self.residual(r_v, self.B_v)
 
-    def forward(self, x, rope, cache=None):
+    # decoding
+
+    def cache_shapes(self):
+        return {
+            "k_shared": (self.head_dim,), "v_shared": (self.head_dim,),
+            "r_k": (self.n_head, self.lrkv_rank), "r_v": (self.n_head, self.lrkv_rank), "rho": (self.n_head,),
+        }
+
+    def decode(self, x, rope, cache):
+        """forward with a cache. The QK norm divides K_h by its RMS rho_h, which is cached, so that
+        Rot_s(norm(K_h)) = (Rot_s K_shared + Rot_s(R_h^K (B_h^K)^T)) / rho_h, rotation being linear."""
         B, T, _ = x.shape
         q = self.queries(x, rope)
         k_shared, v_shared = self.W_shared_k(x), self.W_shared_v(x)
         r_k = self.U_k(x).view(B, T, self.n_head, self.lrkv_rank)
         r_v = self.U_v(x).view(B, T, self.n_head, self.lrkv_rank)
-        res_k = self.residual(r_k, self.B_k)  # (B, T, H, d_h): R_h^K (B_h^K)^T
-        k = k_shared.unsqueeze(2) + res_k  # K_h before norm and RoPE
-        if cache is None:
-            return self.project_out(self.attend(q, apply_rope(norm(k), rope), self.values(v_shared, r_v)))
-        # decoding: the QK norm divides K_h by its RMS rho_h, which is cached, so that
-        # Rot_s(norm(K_h)) = (Rot_s K_shared + Rot_s(R_h^K (B_h^K)^T)) / rho_h, rotation being linear
+        res_k = self.residual(r_k, self.B_k)  # (B, T, H, d_h): the new tokens' R_h^K (B_h^K)^T
+        rho = rms(k_shared.unsqueeze(2) + res_k)  # (B, T, H), stored in the cache's dtype like the keys
         k_shared = apply_rope(k_shared.unsqueeze(2), rope).squeeze(2)  # (B, T, d_h)
-        rho = rms(k)  # (B, T, H), stored in the cache's dtype like the keys
         k_shared, v_shared, r_k, r_v, rho = cache.update(k_shared=k_shared, v_shared=v_shared, r_k=r_k, r_v=r_v, rho=rho)
+        S = v_shared.size(1)
         if T == 1:
-            y_shared, y_res = self.decode_step(q, k_shared, v_shared, r_k, r_v, rho, rope)
+            visible = cache.visible() if cache.fixed else None
+            y_shared, y_res = self.decode_step(q, k_shared, v_shared, r_k, r_v, rho, cache.rope[:S], visible)
             # eq. 7: a_h V_h = a_h V_shared + (a_h R_h^V) (B_h^V)^T, with B_h^V applied once to the result
             return self.project_out(y_shared + self.residual(y_res, self.B_v))
         # A prompt or a chunk after a prefix: every head's keys and values at every position (the
@@ -370,20 +398,23 @@ class LowRankKVAttention(Attention):
         # [V_shared | R_h^V] is d_h + r wide: flash attention refuses a v wider than q and k, and
         # at 128M's 174 so does every fast kernel, which leaves PyTorch's math one (all T x S
         # scores at once). Building V_h costs S H r d_h multiply-adds, as rebuilding the keys does.
-        S = v_shared.size(1)
         res_k = torch.cat((self.residual(r_k[:, :S - T], self.B_k), res_k), dim=1)
-        k = (k_shared.unsqueeze(2) + apply_rope(res_k, rope)) / rho.unsqueeze(-1)
+        k = (k_shared.unsqueeze(2) + apply_rope(res_k, cache.rope[:S])) / rho.unsqueeze(-1)
         return self.project_out(self.attend(q, k, self.values(v_shared, r_v)))
 
-    def decode_step(self, q, k_shared, v_shared, r_k, r_v, rho, rope):
-        """One new token's attention over all S cached positions, exact, without building any
-        per-head key. Head h's key at s is Rot_s(K_s + B_h r_{h,s}) / rho_{h,s} (eq. 6's K_h, then
-        the QK norm and RoPE; B_h = B_h^K, r = R^K), so for the normalised, rotated query q_h
+    def decode_step(self, q, k_shared, v_shared, r_k, r_v, rho, rope, visible=None):
+        """One new token's attention over all S cached positions (rope: their rows of the RoPE
+        table; visible: which of them it may see, None for all), exact, without building any
+        per-head key. Head h's key at s is Rot_s(K_s + B_h r_{h,s}) / rho_{h,s} (K_h, then the QK
+        norm and RoPE; B_h = B_h^K, r = R^K), so for the normalised, rotated query q_h
 
             score_{h,s} = [ q_h . Rot_s(K_s) + (B_h^T Rot_s^T q_h) . r_{h,s} ] / rho_{h,s}
 
-        The first term is MQA's, over the cached rotated K_shared. In the second, RoPE turns dims
-        i and i' = i + d_h/2 by s theta_i, so with B_h[i] the i-th row of B_h
+        This is the paper's eq. 6, q_h K_h^T = q_h K_shared^T + (q_h B_h^K)(R_h^K)^T, made exact:
+        RoPE does not commute with B_h (a rotation of d_h dims cannot pass into r dims), so the
+        rotation goes into the query side, position by position. The first term is MQA's, over
+        the cached rotated K_shared. In the second, RoPE turns dims i and i' = i + d_h/2 by
+        s theta_i, so with B_h[i] the i-th row of B_h
 
             B_h^T Rot_s^T q_h = sum_i cos(s theta_i) (q_i B_h[i] + q_i' B_h[i'])
                                     + sin(s theta_i) (q_i B_h[i'] - q_i' B_h[i])
@@ -403,16 +434,41 @@ class LowRankKVAttention(Attention):
         w = rope.to(q.dtype) @ M.view(d_h, B * H * r)  # (S, B H r): B_h^T Rot_s^T q_h, one GEMM for the batch
         residual_term = torch.linalg.vecdot(w.view(S, B, H, r).transpose(0, 1), r_k).transpose(1, 2)  # (B, H, S)
         scores = torch.baddbmm(residual_term, q, k_shared.transpose(1, 2)) / rho.transpose(1, 2)  # (B, H, S)
+        if visible is not None:  # a fixed-shape cache: its unwritten positions (rho 0) are never seen
+            scores = scores.masked_fill(~visible, float("-inf"))
         a = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # (B, H, S)
         y_shared = a @ v_shared  # (B, H, d_h)
         y_res = torch.einsum("bhs,bshr->bhr", a, r_v)  # (B, H, r)
         return y_shared.unsqueeze(1), y_res.unsqueeze(1)
 
-    def head_qk_weights(self):
-        U = self.U_k.weight.view(self.n_head, self.lrkv_rank, -1)
-        Bk = self.B_k.view(self.n_head, self.head_dim, self.lrkv_rank)
-        Wk = self.W_shared_k.weight.t() + torch.einsum("hrc,hdr->hcd", U, Bk)
-        return self.query_weights(), Wk
+    # conversion
+
+    def head_kv_weights(self):
+        H, d_h, r = self.n_head, self.head_dim, self.lrkv_rank
+        return tuple(W_shared.weight + torch.einsum("hdr,hrc->hdc", B.view(H, d_h, r), U.weight.view(H, r, -1))
+                     for W_shared, U, B in ((self.W_shared_k, self.U_k, self.B_k), (self.W_shared_v, self.U_v, self.B_v)))
+
+    def load_head_kv_weights(self, W_K, W_V):
+        """W_shared = the heads' mean, U_h B_h^T = the rank-r truncated SVD of W_h - W_shared
+        (shared_plus_low_rank), for keys and values alike. With r = d_h it is every head exactly."""
+        for W_shared, U, B, heads in ((self.W_shared_k, self.U_k, self.B_k, W_K), (self.W_shared_v, self.U_v, self.B_v, W_V)):
+            mean, B_h, U_h, _ = shared_plus_low_rank(heads.double(), self.lrkv_rank)
+            W_shared.weight.copy_(mean)
+            U.weight.copy_(U_h.flatten(0, 1))
+            B.copy_(B_h.flatten(0, 1))
+
+
+def shared_plus_low_rank(W, r):
+    """W (H, d_h, d), H per-head projections, as W_h = W_shared + B_h U_h: W_shared (d_h, d) their
+    mean, and B (H, d_h, r), U (H, r, d) the rank-r truncated SVD of each W_h - W_shared, the
+    closest rank-r matrix in Frobenius norm (Eckart-Young). Also every singular value of the
+    deviations, S (H, d_h), largest first. Each singular value is split evenly, sqrt(S) into both
+    factors: their product does not care, and balanced factors have equal norms, so an optimiser
+    that uptrains them moves each by the same share of itself."""
+    mean = W.mean(0)
+    P, S, Qt = torch.linalg.svd(W - mean, full_matrices=False)  # (H, d_h, d_h), (H, d_h), (H, d_h, d)
+    root = S[:, :r].sqrt()
+    return mean, P[..., :r] * root[:, None, :], root[..., None] * Qt[:, :r], S
 
 
 class MultiHeadLatentAttention(Attention):
@@ -449,8 +505,19 @@ class MultiHeadLatentAttention(Attention):
     def legend_key(cls, config):
         return 3, config.kv_lora_rank
 
-    def cache_shapes(self):
-        return {"c": (self.kv_lora_rank,), "k_rope": (1, self.rope_dim), "rho": (self.n_head,)}
+    def forward(self, x, rope, cache=None):
+        if cache is not None:
+            return self.decode(x, rope, cache)
+        B, T, _ = x.shape
+        q = self.queries(x, rope)  # (B, T, H, d_h + d_R)
+        c = norm(self.W_down(x))  # (B, T, d_c)
+        # Rotating part of a vector leaves its RMS unchanged, so norm-after-rotate equals the
+        # queries' rotate-after-norm
+        k = self.keys(c, apply_rope(self.W_kr(x).unsqueeze(2), rope))
+        # flash attention wants v as wide as q and k: zero-pad v by d_R and drop the padded
+        # (all-zero) output dims, d_R / d_h more work in a v than an unpadded kernel would do
+        v = F.pad(self.W_up_v(c).view(B, T, self.n_head, self.head_dim), (0, self.rope_dim))
+        return self.project_out(self.attend(q, norm(k), v)[..., :self.head_dim])
 
     def keys(self, c, k_rope):
         """Every head's key before the QK norm, [c W_up,h^K | k_R]: (B, S, H, d_h + d_R)."""
@@ -458,28 +525,35 @@ class MultiHeadLatentAttention(Attention):
         k_nope = self.W_up_k(c).view(B, S, self.n_head, self.head_dim)
         return torch.cat((k_nope, k_rope.expand(B, S, self.n_head, self.rope_dim)), dim=-1)
 
-    def forward(self, x, rope, cache=None):
+    def head_qk_weights(self):
+        W_up_k = self.W_up_k.weight.view(self.n_head, self.head_dim, self.kv_lora_rank)
+        Wk_nope = torch.einsum("cx,hnc->hxn", self.W_down.weight, W_up_k)
+        Wk_rope = self.W_kr.weight.t().expand(self.n_head, -1, -1)
+        return self.query_weights(), torch.cat((Wk_nope, Wk_rope), dim=-1)
+
+    # decoding
+
+    def cache_shapes(self):
+        return {"c": (self.kv_lora_rank,), "k_rope": (1, self.rope_dim), "rho": (self.n_head,)}
+
+    def decode(self, x, rope, cache):
+        """forward with a cache. The QK norm couples k_R with each head's c W_up,h^K, which is why
+        W_up^K is absorbed into the query only with each key's RMS cached (decode_step)."""
         B, T, _ = x.shape
-        q = self.queries(x, rope)  # (B, T, H, d_h + d_R)
+        q = self.queries(x, rope)
         c = norm(self.W_down(x))
         k_rope = apply_rope(self.W_kr(x).unsqueeze(2), rope)  # (B, T, 1, d_R)
-        # Rotating part of a vector leaves its RMS unchanged, so norm-after-rotate equals the
-        # queries' rotate-after-norm. The norm couples k_R with each head's c W_up,h^K, which is
-        # why W_up^K cannot simply be absorbed into the query (but see decode_step).
         k = self.keys(c, k_rope)
-        fresh = cache is None or cache.pos == 0  # training or a prompt: every key and value is new
-        if cache is not None:
-            c, k_rope, rho = cache.update(c=c, k_rope=k_rope, rho=rms(k))
-        if fresh:
-            # Flash attention wants v as wide as q and k: zero-pad v by d_R and drop the padded
-            # (all-zero) output dims, d_R / d_h more work in a v than an unpadded kernel would do.
+        prompt = not cache.fixed and cache.pos == 0
+        c, k_rope, rho = cache.update(c=c, k_rope=k_rope, rho=rms(k))
+        if prompt:  # every key and value is new: attend as training does
             v = F.pad(self.W_up_v(c).view(B, T, self.n_head, self.head_dim), (0, self.rope_dim))
             return self.project_out(self.attend(q, norm(k), v)[..., :self.head_dim])
-        # Decoding after a prefix attends over the latent itself, as a_h V_h = (a_h c) W_up,h^V
-        # exactly: cheaper than applying W_up^V to every cached c, though flash attention refuses
-        # a v (d_c wide) unlike q and k (d_h + d_R).
+        # After a prefix, attend over the latent itself, as a_h V_h = (a_h c) W_up,h^V exactly:
+        # cheaper than applying W_up^V to every cached c, though flash attention refuses a v
+        # (d_c wide) unlike q and k (d_h + d_R).
         if T == 1:
-            y = self.decode_step(q, c, k_rope, rho)
+            y = self.decode_step(q, c, k_rope, rho, cache.visible() if cache.fixed else None)
         else:
             # a chunk after a prefix: rebuild every head's keys at every position (the new
             # tokens' keys are built already)
@@ -489,9 +563,9 @@ class MultiHeadLatentAttention(Attention):
         W_up_v = self.W_up_v.weight.view(self.n_head, self.head_dim, self.kv_lora_rank)
         return self.project_out(torch.einsum("bthc,hdc->bthd", y, W_up_v))
 
-    def decode_step(self, q, c, k_rope, rho):
-        """One new token's attention over all S cached positions, exact, without building any
-        key. Head h's key at s is [c_s W_up,h^K | k_R,s] / rho_{h,s}, rho the RMS of that
+    def decode_step(self, q, c, k_rope, rho, visible=None):
+        """One new token's attention over all S cached positions (visible: which of them it may
+        see, None for all), exact, without building any key. Head h's key at s is [c_s W_up,h^K | k_R,s] / rho_{h,s}, rho the RMS of that
         concatenation, cached when s was new, so for the normalised, rotated query
         q_h = [q_h^nope | q_h^R]
 
@@ -507,14 +581,17 @@ class MultiHeadLatentAttention(Attention):
         q_latent = (q_nope.unsqueeze(2) @ W_up_k).squeeze(2)  # (B, H, d_c)
         scores = torch.baddbmm(q_rope @ k_rope[:, :, 0].transpose(1, 2), q_latent, c.transpose(1, 2))  # (B, H, S)
         scores = scores / (rho.transpose(1, 2) * math.sqrt(self.qk_dim))
+        if visible is not None:  # a fixed-shape cache: its unwritten positions (rho 0) are never seen
+            scores = scores.masked_fill(~visible, float("-inf"))
         a = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # (B, H, S)
         return (a @ c).unsqueeze(1)
 
-    def head_qk_weights(self):
-        W_up_k = self.W_up_k.weight.view(self.n_head, self.head_dim, self.kv_lora_rank)
-        Wk_nope = torch.einsum("cx,hnc->hxn", self.W_down.weight, W_up_k)
-        Wk_rope = self.W_kr.weight.t().expand(self.n_head, -1, -1)
-        return self.query_weights(), torch.cat((Wk_nope, Wk_rope), dim=-1)
+    # conversion
+
+    def load_head_kv_weights(self, W_K, W_V):
+        # MHA2MLA (Ji et al., 2025) first uptrains the source with RoPE on a few frequencies only
+        raise ValueError("MLA is not converted to: its keys' d_h position-free dims need keys that RoPE leaves "
+                         "alone, and MHA rotates every dim of its keys (docs/convert.md)")
 
 
 # The variants, by the name that GPTConfig.attn (--attn) takes: the only list of them
@@ -526,6 +603,9 @@ ATTENTION = {
     "lrkv": LowRankKVAttention,
 }
 
+
+# -----------------------------------------------------------------------------
+# The model
 
 class MLP(nn.Module):
     def __init__(self, config):
@@ -581,10 +661,13 @@ class GPT(nn.Module):
         """Logits (B, T, vocab) in fp32, and the mean cross-entropy if targets are given.
         With caches (one KVCache per layer, see new_caches), idx continues the cached prefix."""
         B, T = idx.shape
-        end = (caches[0].pos if caches else 0) + T
-        if end > self.config.block_size:
-            raise ValueError(f"sequence of {end} tokens is longer than block_size = {self.config.block_size}")
-        rope = self.rope[:end]
+        start = caches[0].pos if caches else 0
+        if isinstance(start, torch.Tensor):  # a fixed-shape step (KVCache.fixed): one token at start
+            rope = self.rope[start]
+        else:
+            if start + T > self.config.block_size:
+                raise ValueError(f"sequence of {start + T} tokens is longer than block_size = {self.config.block_size}")
+            rope = self.rope[start:start + T]  # the rows of idx's positions
         x = norm(self.wte(idx))
         for block, cache in zip(self.blocks, caches or [None] * len(self.blocks)):
             x = block(x, rope, cache)
@@ -592,19 +675,6 @@ class GPT(nn.Module):
         if targets is None:
             return logits, None
         return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
-
-    def new_caches(self, batch_size, max_len, dtype=torch.bfloat16, device=None):
-        device = self.wte.weight.device if device is None else device
-        return [KVCache(batch_size, max_len, block.attn.cache_shapes(), dtype, device) for block in self.blocks]
-
-    def kv_cache_bytes(self, batch_size, seq_len, dtype=torch.bfloat16):
-        """Bytes the decoding caches allocate, counted off the same caches built on the meta device."""
-        caches = self.new_caches(batch_size, seq_len, dtype, device="meta")
-        return sum(buf.numel() * buf.element_size() for cache in caches for buf in cache.buffers())
-
-    def kv_cache_elements_per_token(self):
-        """Cached elements per token per layer: 2 H d_h for MHA ... d_c + d_R + H for MLA."""
-        return sum(math.prod(shape) for shape in self.blocks[0].attn.cache_shapes().values())
 
     def get_num_params(self):
         return sum(p.numel() for p in self.parameters())
@@ -620,23 +690,74 @@ class GPT(nn.Module):
         return 6 * matmul_params + 6 * sum(block.attn.attention_macs(T) for block in self.blocks)
 
     @torch.no_grad()
+    def convert_from(self, source):
+        """Take a trained GPT's weights: the embeddings, queries, output projections and MLPs as
+        they are, and each layer's keys and values through the variants' conversion, source's
+        per-head projections (head_kv_weights) built into this layer's (load_head_kv_weights).
+        A model of the same variant and shapes is copied whole. Width, heads, head dim, layers and
+        vocabulary must agree: nothing else can carry over."""
+        for field in ("n_embd", "n_head", "head_dim", "n_layer", "vocab_size"):
+            if getattr(self.config, field) != getattr(source.config, field):
+                raise ValueError(f"the checkpoint has {field} = {getattr(source.config, field)}, this model "
+                                 f"{getattr(self.config, field)}: only the attention's keys and values convert")
+        ours, theirs = self.state_dict(), source.state_dict()
+        if self.config.attn == source.config.attn and all(ours[k].shape == theirs[k].shape for k in ours):
+            self.load_state_dict(theirs)
+            return
+        for block, source_block in zip(self.blocks, source.blocks):
+            block.attn.load_head_kv_weights(*source_block.attn.head_kv_weights())
+        kept = ("wte.", "lm_head.", ".mlp.", ".attn.W_q.", ".attn.W_o.")
+        self.load_state_dict({k: v for k, v in theirs.items() if any(part in f".{k}" for part in kept)}, strict=False)
+
+    @torch.no_grad()
     def head_qk_weights(self):
         """Per layer, (Wq, Wk), each (H, d, d_qk): head h's query is x @ Wq[h] and its key
         x @ Wk[h], before the QK norm and RoPE (MLA: with its latent norm taken as identity)."""
         return [tuple(w.detach().clone() for w in block.attn.head_qk_weights()) for block in self.blocks]
 
+    # decoding
+
+    def new_caches(self, batch_size, max_len, dtype=torch.bfloat16, device=None):
+        device = self.wte.weight.device if device is None else device
+        return [KVCache(batch_size, max_len, block.attn.cache_shapes(), dtype, device, self.rope[:max_len])
+                for block in self.blocks]
+
+    def kv_cache_bytes(self, batch_size, seq_len, dtype=torch.bfloat16):
+        """Bytes the decoding caches allocate, counted off the same caches built on the meta device."""
+        caches = self.new_caches(batch_size, seq_len, dtype, device="meta")
+        return sum(buf.numel() * buf.element_size() for cache in caches for buf in cache.buffers())
+
+    def kv_cache_elements_per_token(self):
+        """Cached elements per token per layer: 2 H d_h for MHA ... d_c + d_R + H for MLA."""
+        return sum(math.prod(shape) for shape in self.blocks[0].attn.cache_shapes().values())
+
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True):
-        """Continue idx (B, T) by max_new_tokens sampled tokens; temperature 0 is greedy. With the
-        cache the prompt is read once (prefill) and then one token is fed per step."""
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, compile=False):
+        """idx (B, T) continued by max_new_tokens sampled tokens: (B, T + max_new_tokens)."""
+        return torch.cat([idx, *self.stream(idx, max_new_tokens, temperature, top_k, use_cache, compile)], dim=1)
+
+    @torch.no_grad()
+    def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, compile=False):
+        """Yield the max_new_tokens tokens (B, 1) that continue idx (B, T), one at a time, each as
+        soon as it is drawn; temperature 0 is greedy. With the cache the prompt is read once
+        (prefill) and then one token is fed per step; without it every step reads the whole
+        sequence again. compile: the single-token steps run on fixed shapes (fixed_step), compiled
+        once by torch.compile, as CUDA graphs on a GPU."""
         if idx.size(1) + max_new_tokens > self.config.block_size:
             raise ValueError(f"prompt + max_new_tokens = {idx.size(1) + max_new_tokens} exceeds block_size = {self.config.block_size}")
         device = idx.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else self.lm_head.weight.dtype
         caches = self.new_caches(idx.size(0), idx.size(1) + max_new_tokens, dtype) if use_cache else None
-        for _ in range(max_new_tokens):
-            fresh = idx if caches is None or caches[0].pos == 0 else idx[:, -1:]
-            logits = self(fresh, caches=caches)[0][:, -1]
+        for i in range(max_new_tokens):
+            if caches is None or i == 0:
+                logits = self(idx, caches=caches)[0][:, -1]
+            elif compile:
+                if i == 1:
+                    fix(caches)
+                logits = compiled_step(self, idx[:, -1:], caches)
+                caches[0].pos += 1  # the position every layer's fixed-shape cache shares
+            else:
+                logits = self(idx[:, -1:], caches=caches)[0][:, -1]
             if temperature == 0:
                 next_token = logits.argmax(dim=-1, keepdim=True)
             else:
@@ -646,4 +767,70 @@ class GPT(nn.Module):
                     logits = logits.masked_fill(logits < kth, float("-inf"))
                 next_token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
             idx = torch.cat((idx, next_token), dim=1)
-        return idx
+            yield next_token
+
+
+# -----------------------------------------------------------------------------
+# Decoding memory
+
+class KVCache(nn.Module):
+    """One layer's decoding memory: a (B, max_len, *shape) buffer per cached name, filled up to
+    pos, and rope, the (max_len, rope_dim) RoPE table of its positions. While pos is an int the
+    cache grows by what it is given (a prompt, a chunk, a token) and update returns the positions
+    so far. Fixed (fix below), pos is a (1,) tensor that every layer shares, update writes the one
+    new token there and returns whole buffers, and attention masks what lies past pos
+    (visible): every step has the same shapes, which is what lets torch.compile capture it once."""
+
+    def __init__(self, batch_size, max_len, shapes, dtype, device=None, rope=None):
+        super().__init__()
+        self.pos, self.max_len, self.rope = 0, max_len, rope
+        for name, shape in shapes.items():
+            buf = torch.zeros(batch_size, max_len, *shape, dtype=dtype, device=device)
+            self.register_buffer(name, buf, persistent=False)
+
+    @property
+    def fixed(self):
+        return isinstance(self.pos, torch.Tensor)
+
+    def visible(self):
+        """(1, max_len) bool: the positions that the fixed-shape step's one token attends to."""
+        return (torch.arange(self.max_len, device=self.pos.device) <= self.pos)[None]
+
+    def update(self, **new):
+        """Append the new tokens' entries; return every name's entries so far, in the caller's dtype."""
+        if self.fixed:
+            for name, x in new.items():
+                getattr(self, name).index_copy_(1, self.pos, x.to(getattr(self, name).dtype))
+            return [getattr(self, name).to(x.dtype) for name, x in new.items()]
+        end = self.pos + next(iter(new.values())).size(1)
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} tokens, {end} were asked for")
+        out = []
+        for name, x in new.items():
+            buf = getattr(self, name)
+            buf[:, self.pos:end] = x
+            out.append(buf[:, :end].to(x.dtype))
+        self.pos = end
+        return out
+
+
+def fix(caches):
+    """Turn filled caches into fixed-shape ones for single-token steps, from their position on:
+    one position tensor for all layers, and buffers whose addresses CUDA graphs may keep."""
+    pos = torch.tensor([caches[0].pos], device=caches[0].rope.device)
+    for cache in caches:
+        cache.pos = pos
+        for buf in cache.buffers():
+            torch._dynamo.mark_static_address(buf)
+
+
+def fixed_step(model, token, caches):
+    """The last logits (B, vocab) of one token (B, 1) through fixed caches: the step
+    compiled_step compiles, with the same shapes at every position."""
+    return model(token, caches=caches)[0][:, -1]
+
+
+# One compiled step for every model and cache of the same shapes: torch.compile lifts modules'
+# weights and buffers into graph inputs, so new caches reuse the graph. On a GPU,
+# "reduce-overhead" replays it as a CUDA graph, one launch for the whole step.
+compiled_step = torch.compile(fixed_step, mode="reduce-overhead" if torch.cuda.is_available() else None)

@@ -132,7 +132,8 @@ def test_end_to_end(tmp_path, capsys):
     analyze.main([str(tmp_path / "out"), "--out_dir", str(out_dir)])
 
     written = sorted(p.name for p in out_dir.iterdir())
-    assert written == ["analysis.json", "effective_rank.png", "head_correlation.png", "kv_tradeoff.png", "loss_curves.png"]
+    assert written == ["analysis.json", "effective_rank.png", "head_correlation.png", "kv_tradeoff.png", "loss_curves.png",
+                       "rank_energy.png"]
     results = json.loads((out_dir / "analysis.json").read_text())["runs"]
     order = ["Standard MHA", "LRKV (r=2)", "LRKV (r=4)", "MQA", "MLA", "GQA (2 KV heads)"]
     assert [run["label"] for run in results] == order
@@ -212,3 +213,40 @@ def test_bad_input_is_one_line_and_an_error(tmp_path, problem):
     if problem == "runs code":  # which it does, loaded without weights_only
         torch.load(path, weights_only=False)
         assert marker.exists()
+
+
+def test_rank_energy_is_the_share_of_the_heads_deviation_each_rank_keeps():
+    torch.manual_seed(0)
+    model = GPT(replace(TINY, attn="mha")).double()  # as analyze() reads the attention weights
+    energy = analyze.rank_energy(model)
+    H, d_h = TINY.n_head, TINY.head_dim
+    for layer, block in enumerate(model.blocks):
+        for name, W in (("keys", block.attn.W_k), ("values", block.attn.W_v)):
+            heads = W.weight.double().view(H, d_h, -1)
+            deviation = heads - heads.mean(0)
+            total = sum(torch.linalg.matrix_norm(deviation[h]) ** 2 for h in range(H))
+            for r in range(1, d_h + 1):
+                kept = sum((torch.linalg.svdvals(deviation[h])[:r] ** 2).sum() for h in range(H)) / total
+                assert energy[name][layer][r - 1] == pytest.approx(kept.item(), rel=1e-9)
+            assert energy[name][layer][-1] == pytest.approx(1)
+    assert analyze.rank_energy(GPT(replace(TINY, attn="mqa"))) is None  # one head: no spread
+    assert analyze.rank_energy(GPT(replace(TINY, attn="mla"))) is None  # no per-head projections
+
+
+def test_a_converted_run_shows_where_it_started(tmp_path, capsys):
+    """A run with init_from gets its own label and its step-0 loss beside its last."""
+    source = tmp_path / "out" / "mha" / "ckpt.pt"
+    save_checkpoint(source, attn="mha", val_loss=3.0, val_bpb=0.9)
+    for name, attn in (("lrkv", dict(attn="lrkv")), ("again", dict(attn="mha"))):
+        path = tmp_path / "converted" / name / "ckpt.pt"
+        save_checkpoint(path, val_loss=2.9, val_bpb=0.88, **attn,
+                        log=[dict(step=0, val_loss=3.5, val_bpb=1.1), dict(step=5, loss=3.0, lr=0.01)])
+        ckpt = torch.load(path, weights_only=True)
+        ckpt["config"]["init_from"] = str(source)
+        torch.save(ckpt, path)
+    analyze.main([str(tmp_path / "converted"), str(source)])
+    runs = json.loads((tmp_path / "converted" / "analysis.json").read_text())["runs"]
+    assert [run["label"] for run in runs] == ["Standard MHA", "Standard MHA, uptrained", "LRKV (r=2), converted"]
+    assert [run["start"] for run in runs] == [None, dict(val_loss=3.5, val_bpb=1.1), dict(val_loss=3.5, val_bpb=1.1)]
+    table = capsys.readouterr().out.splitlines()
+    assert "val loss at step 0" in table[0] and table[3].split()[-7:-5] == ["3.500", "2.900"]

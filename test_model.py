@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from model import ATTENTION, GPT, GPTConfig, norm
+from model import ATTENTION, GPT, GPTConfig, compiled_step, fix, fixed_step, norm
 from model import rms as cached_rms
 
 TINY = GPTConfig(
@@ -433,3 +433,139 @@ def test_head_qk_weights_match_each_variants_projections(attn):
 def test_bad_configuration_raises(overrides, field):
     with pytest.raises(ValueError, match=f"GPTConfig.{field} "):
         GPTConfig(**overrides)
+
+
+# Conversion from a trained model's per-head projections (GPT.convert_from, train.py --init_from)
+
+def converted(source, attn, **overrides):
+    model = GPT(replace(source.config, attn=attn, **overrides)).eval()
+    model.convert_from(source)
+    return model
+
+
+def test_lrkv_of_full_rank_converted_from_mha_gives_mhas_logits():
+    """r = d_h: W_shared = the heads' mean, and each head's whole deviation from it is kept."""
+    mha = tiny_model("mha")
+    lrkv = converted(mha, "lrkv", lrkv_rank=TINY.head_dim)
+    idx = torch.randint(0, TINY.vocab_size, (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(lrkv(idx)[0], mha(idx)[0], atol=1e-5, rtol=0)
+
+
+def test_gqa_with_all_kv_heads_converted_from_mha_is_mha():
+    mha = tiny_model("mha")
+    gqa = converted(mha, "gqa", n_kv_head=TINY.n_head)
+    idx = torch.randint(0, TINY.vocab_size, (2, 20))
+    with torch.no_grad():
+        assert torch.equal(gqa(idx)[0], mha(idx)[0])
+
+
+def test_an_lrkv_source_converts_to_mha_exactly():
+    """LRKV's own per-head projections W_shared + B_h U_h, keys and values, are what MHA rebuilds."""
+    lrkv = tiny_model("lrkv")
+    mha = converted(lrkv, "mha")
+    idx = torch.randint(0, TINY.vocab_size, (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(mha(idx)[0], lrkv(idx)[0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("attn, groups", [("gqa", TINY.n_kv_head), ("mqa", 1)])
+def test_grouped_heads_are_the_mean_of_their_group(attn, groups):
+    mha = tiny_model("mha")
+    model = converted(mha, attn)
+    H, d_h, size = TINY.n_head, TINY.head_dim, TINY.n_head // groups
+    for block, source in zip(model.blocks, mha.blocks):
+        for name in ("W_k", "W_v"):
+            heads = getattr(source.attn, name).weight.view(H, d_h, -1)
+            mine = getattr(block.attn, name).weight.view(groups, d_h, -1)
+            for g in range(groups):
+                torch.testing.assert_close(mine[g], sum(heads[g * size + i] for i in range(size)) / size)
+
+
+def test_lrkv_residuals_lose_exactly_the_discarded_singular_values():
+    """Eckart-Young: the rank-r truncated SVD of W_h - W_shared misses it by the norm of the
+    singular values it drops, and no rank-r matrix misses it by less."""
+    mha, r = tiny_model("mha"), 3
+    lrkv = converted(mha, "lrkv", lrkv_rank=r)
+    H, d_h = TINY.n_head, TINY.head_dim
+    for block, source in zip(lrkv.blocks, mha.blocks):
+        attn = block.attn
+        for W, W_shared, U, B in ((source.attn.W_k, attn.W_shared_k, attn.U_k, attn.B_k),
+                                  (source.attn.W_v, attn.W_shared_v, attn.U_v, attn.B_v)):
+            heads = W.weight.double().view(H, d_h, -1)
+            torch.testing.assert_close(W_shared.weight.double(), heads.mean(0), atol=1e-6, rtol=0)
+            U, B = U.weight.double().view(H, r, -1), B.double().view(H, d_h, r)
+            for h in range(H):
+                deviation = heads[h] - heads.mean(0)
+                dropped = torch.linalg.svdvals(deviation)[r:]
+                error = torch.linalg.matrix_norm(deviation - B[h] @ U[h])
+                assert error.item() == pytest.approx(dropped.norm().item(), rel=1e-5)
+                # the singular values are split evenly between the factors
+                torch.testing.assert_close(B[h].norm(dim=0), U[h].norm(dim=1), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("attn, overrides, message", [
+    ("mla", {}, "MLA is not converted to"),
+    ("mha", dict(n_layer=3), "n_layer = 2, this model 3"),
+    ("mha", dict(vocab_size=64), "vocab_size = 61, this model 64"),
+])
+def test_what_cannot_convert_is_refused(attn, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        converted(tiny_model("mha"), attn, **overrides)
+
+
+def test_mla_gives_no_per_head_projections():
+    with pytest.raises(ValueError, match="--attn=mla gives no per-head key and value projections"):
+        converted(tiny_model("mla"), "mha")
+
+
+# The fixed-shape single-token step (KVCache.fixed): what torch.compile captures once
+
+def fixed_steps(model, idx, prefix, step):
+    """idx's logits from position prefix on: a prompt of prefix tokens, then each token through
+    step(model, token, caches) on fixed-shape caches, advancing their shared position."""
+    caches = model.new_caches(idx.size(0), idx.size(1), dtype=torch.float32)
+    model(idx[:, :prefix], caches=caches)
+    fix(caches)
+    logits = []
+    for t in range(prefix, idx.size(1)):
+        logits.append(step(model, idx[:, t:t + 1], caches))
+        caches[0].pos += 1
+    return torch.stack(logits, dim=1)
+
+
+@pytest.mark.parametrize("attn", ATTENTION)
+def test_fixed_shape_steps_equal_the_full_forward(attn):
+    """Every step attends over the whole max_len cache, the positions not yet written masked."""
+    model = tiny_model(attn)
+    idx = torch.randint(0, TINY.vocab_size, (2, 24))
+    with torch.no_grad():
+        full = model(idx)[0]
+        stepped = fixed_steps(model, idx, 6, fixed_step)
+    assert (stepped - full[:, 6:]).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("attn", ATTENTION)
+def test_the_fixed_shape_step_is_one_graph_at_every_position(attn):
+    """Captured whole (fullgraph) and never recompiled as the position moves: the step that
+    compiled_step compiles, traced here by dynamo without inductor's code generation."""
+    model = tiny_model(attn)
+    idx = torch.randint(0, TINY.vocab_size, (2, 24))
+    torch._dynamo.reset()
+    traced = torch.compile(fixed_step, backend="aot_eager", fullgraph=True)
+    with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+        assert torch.equal(fixed_steps(model, idx, 6, traced), fixed_steps(model, idx, 6, fixed_step))
+        fixed_steps(model, idx, 9, traced)  # new caches, another starting position: the same graph
+
+
+@pytest.mark.parametrize("attn", ["mha", "lrkv"])
+def test_compiled_generation_is_eager_generation(attn):
+    """generate(compile=True), inductor's code and all, gives eager's greedy tokens, and the same
+    logits to fp32 rounding."""
+    model = tiny_model(attn)
+    prompt = torch.randint(0, TINY.vocab_size, (2, 5))
+    torch._dynamo.reset()
+    assert torch.equal(model.generate(prompt, 12, temperature=0, compile=True), model.generate(prompt, 12, temperature=0))
+    idx = torch.randint(0, TINY.vocab_size, (2, 24))
+    with torch.no_grad():
+        assert (fixed_steps(model, idx, 6, compiled_step) - fixed_steps(model, idx, 6, fixed_step)).abs().max() < 1e-5

@@ -283,7 +283,60 @@ def test_presets_parse_and_the_gpu_preset_trains_at_reduced_size(data_dir, tmp_p
     # the paper's ratios at the demo's head dim: LRKV r/d_h = 46/128, MLA d_c/d = 128/768
     assert model.lrkv_rank == round(46 / 128 * model.head_dim) and model.kv_lora_rank * 6 == model.n_embd
     model, cfg = train.parse_args(["config/gpu.py"])
-    assert model == GPTConfig() and (cfg.batch_size, cfg.max_steps, cfg.out_dir) == (16, 8000, "out/gpu")
+    assert model == GPTConfig() and (cfg.batch_size, cfg.max_steps, cfg.out_dir) == (16, 8000, "out/mha")
     small = flags(data_dir=data_dir, out_dir=tmp_path, max_steps=2, eval_interval=2)
     assert train.main(["config/gpu.py", *small]) == 0
     assert sorted(records(tmp_path, "loss")) == [1, 2] and sorted(records(tmp_path, "val_loss")) == [2]
+
+
+def test_init_from_starts_a_new_run_at_the_checkpoints_loss(data_dir, full_run, tmp_path):
+    """An identity conversion (the same variant and shapes, weights copied whole) evaluates at
+    step 0 to exactly the checkpoint's loss; a full-rank LRKV from MHA to it within fp32 rounding.
+    The run then trains from there on a fresh schedule of its own."""
+    source = tmp_path / "mha"
+    assert train.main(flags(data_dir=data_dir, out_dir=source, attn="mha", max_steps=4, eval_interval=4)) == 0
+    expected = torch.load(source / "ckpt.pt", weights_only=True)["val_loss"]
+    for name, attn in (("same", dict(attn="mha")), ("lrkv", dict(attn="lrkv", lrkv_rank=16))):
+        out = tmp_path / name
+        assert train.main(flags(data_dir=data_dir, out_dir=out, max_steps=3, eval_interval=3, init_from=source / "ckpt.pt",
+                                **attn)) == 0
+        val = records(out, "val_loss")
+        assert sorted(val) == [0, 3] and sorted(records(out, "loss")) == [1, 2, 3]
+        assert val[0] == expected if name == "same" else abs(val[0] - expected) < 1e-5
+        ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+        assert ckpt["step"] == 3 and ckpt["config"]["init_from"] == str(source / "ckpt.pt")
+    # its --resume jobs go on from their own checkpoint, given the same --init_from
+    out = tmp_path / "split"
+    split = flags(data_dir=data_dir, out_dir=out, max_steps=3, eval_interval=3, init_from=source / "ckpt.pt", attn="mqa")
+    assert train.main(split + ["--stop_after=2"]) == 0
+    assert train.main(flags(data_dir=data_dir, out_dir=out, max_steps=3, eval_interval=3, attn="mqa") + ["--resume"]) == 2
+    assert train.main(split + ["--resume"]) == 0
+    assert sorted(records(out, "loss")) == [1, 2, 3] and sorted(records(out, "val_loss")) == [0, 2, 3]
+
+
+@pytest.mark.parametrize("problem, message", [
+    ("missing", "No such file or directory"),
+    ("junk", "not a PyTorch checkpoint"),
+    ("wider", "n_embd = 32, this model 64"),
+    ("mla", "MLA is not converted to"),
+    ("its own", "is this run's own checkpoint"),
+])
+def test_a_bad_init_from_is_one_line_and_writes_nothing(problem, message, data_dir, full_run, tmp_path, capsys):
+    out = tmp_path / "out"
+    init, extra = full_run / "ckpt.pt", {}
+    if problem == "missing":
+        init = tmp_path / "nowhere.pt"
+    elif problem == "junk":
+        init = tmp_path / "junk.pt"
+        init.write_text("not a checkpoint")
+    elif problem == "wider":
+        extra = dict(n_embd=64, head_dim=32)
+    elif problem == "mla":
+        extra = dict(attn="mla", kv_lora_rank=8, rope_head_dim=8)
+    elif problem == "its own":
+        out = full_run
+    before = {p.name: p.read_bytes() for p in out.iterdir()} if out.exists() else None
+    assert train.main(flags(data_dir=data_dir, out_dir=out, init_from=init, **extra)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert ({p.name: p.read_bytes() for p in out.iterdir()} if out.exists() else None) == before

@@ -5,6 +5,7 @@ Train one attention variant of model.py's GPT on token shards written by prepare
     python train.py config/demo.py --attn=lrkv --lrkv_rank=4    # a preset file, then flags
     torchrun --standalone --nproc_per_node=8 train.py --attn=lrkv
     python train.py --attn=mqa --resume                         # continue out_dir/ckpt.pt
+    python train.py config/demo.py config/convert.py --init_from=out/demo/mha/ckpt.pt --attn=lrkv --lrkv_rank=4
 
 Every field of GPTConfig (model.py) and TrainConfig (below) is a --name=value flag. A positional
 argument is a preset: a Python file assigning field names, applied before the flags.
@@ -40,8 +41,9 @@ from prepare_data import TOKENIZERS, atomic_open, load_meta, read_shard, shard_p
 class TrainConfig:
     # data and output
     data_dir: str = "data/fineweb-edu-gpt2"
-    out_dir: str = "out"
+    out_dir: str = ""  # where ckpt.pt and log.jsonl go; "": out/<attn>
     resume: bool = False  # continue out_dir/ckpt.pt; give the run's flags again (RESUME_FLAGS must match)
+    init_from: str = ""  # a new run whose weights come from this checkpoint, attention converted to --attn
     # batch and budget: the paper's 16 sequences of 2048 tokens, 32,768 tokens a step
     batch_size: int = 16  # sequences per optimizer step, over all devices together
     micro_batch_size: int = 16  # most sequences a device holds at once; gradient accumulation fills the step
@@ -85,6 +87,163 @@ class TrainConfig:
 
 class ConfigError(Exception):
     """A bad flag, preset, data folder or checkpoint: reported as one line before anything is written."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+
+def main(argv=None):
+    """Check everything, then train; the exit code: 0 done, 1 the loss diverged, 2 bad input."""
+    # torchrun's environment; a plain `python train.py` is rank 0 of 1
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    try:
+        model_config, cfg = parse_args(sys.argv[1:] if argv is None else argv)
+        if cfg.batch_size % world_size:
+            raise ConfigError(f"--batch_size={cfg.batch_size} does not split over {world_size} processes")
+        micro_batch = min(cfg.micro_batch_size, cfg.batch_size // world_size)
+        if cfg.batch_size // world_size % micro_batch:
+            raise ConfigError(f"--micro_batch_size={micro_batch} does not divide the {cfg.batch_size // world_size} "
+                              f"sequences each of {world_size} processes takes a step")
+        data = load_data(cfg, model_config)
+        device = pick_device(cfg.device, local_rank)
+        resumed = load_resume_checkpoint(cfg, model_config) if cfg.resume else None
+        # --init_from seeds a run's first job; its --resume jobs go on from their own checkpoint
+        initial = load_init_checkpoint(cfg, model_config) if cfg.init_from and not cfg.resume else None
+    except ConfigError as e:
+        if rank == 0:
+            print(f"train.py: {e}", file=sys.stderr)
+        return 2
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size == 1:
+        return train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, world_size)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        return train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, world_size)
+    finally:
+        # DDP sits in reference cycles, which only the garbage collector frees: free it now, while
+        # the process group and the interpreter are whole (at exit, gloo's threads can abort the process)
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, world_size):
+    """Train up to step min(max_steps, stop_after) from load_checkpoint's (ckpt, model) to resume,
+    or from the weights of load_init_checkpoint, or (both None) from the start; the exit code."""
+    meta, batches, val_tokens, bytes_per_token = data
+    is_main, ddp = rank == 0, world_size > 1
+    dtype = cfg.dtype if cfg.dtype != "auto" else "bfloat16" if device.type == "cuda" else "float32"
+    compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 for the matmuls autocast leaves in fp32
+    torch.manual_seed(cfg.seed)
+    raw_model = GPT(model_config).to(device)
+    if initial is not None:
+        raw_model.load_state_dict(initial)
+    optimizers = configure_optimizers(raw_model, cfg)
+    step, evals = 0, dict.fromkeys(EVALS)
+    if resumed is not None:
+        step, evals = restore(resumed, raw_model, optimizers, device)
+    model = torch.compile(raw_model) if compile else raw_model
+    train_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if ddp else model
+    bytes_per_token = bytes_per_token.to(device)
+
+    T = model_config.block_size
+    accum_steps = cfg.batch_size // world_size // micro_batch
+    tokens_per_step = cfg.batch_size * T
+    last_step = min(cfg.max_steps, cfg.stop_after or cfg.max_steps)
+    flops_per_step = raw_model.flops_per_token(T) * tokens_per_step
+    peak = peak_flops(device)
+    out_dir, ckpt_path = Path(cfg.out_dir), Path(cfg.out_dir) / "ckpt.pt"
+    if is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        start_log(out_dir, step if resumed is not None else None)
+        n_params = raw_model.get_num_params()
+        print(f"{model_config.attn}: {n_params / 1e6:.1f}M parameters, "
+              f"{raw_model.kv_cache_elements_per_token()} KV cache elements per token per layer | "
+              f"{world_size} x {device.type}, {dtype}, compile {compile} | "
+              f"{cfg.batch_size} x {T} = {tokens_per_step:,} tokens a step in {accum_steps} micro step(s) of "
+              f"{micro_batch} per process | steps {step} -> {last_step} of {cfg.max_steps}", flush=True)
+        if device.type == "cpu" and n_params > 100e6:
+            print(f"warning: a {n_params / 1e6:.0f}M-parameter model on a CPU takes minutes a step; "
+                  "config/demo.py is the preset for CPUs", file=sys.stderr)
+
+    if initial is not None:  # the converted model's loss is the first point of the run's curve
+        val_loss, val_bpb = evaluate(model, val_tokens, bytes_per_token, T, micro_batch, autocast, rank, world_size)
+        if is_main:
+            log_eval(out_dir, 0, val_loss, val_bpb)
+
+    # timings average over each log interval; on CUDA the first one includes torch.compile's compiling
+    t0, timed_steps = time.perf_counter(), 0
+    while step < last_step:
+        lr_mult = lr_multiplier(step, cfg)
+        for opt in optimizers:
+            for group in opt.param_groups:
+                group["lr"] = group["initial_lr"] * lr_mult
+        x, y = batches.get(cfg.seed, step, cfg.batch_size, rank, world_size)
+        loss = torch.zeros((), device=device)
+        for i in range(accum_steps):
+            micro = slice(i * micro_batch, (i + 1) * micro_batch)
+            # DDP averages the gradients over processes in the backward of the last micro step only
+            with train_model.no_sync() if ddp and i < accum_steps - 1 else nullcontext():
+                with autocast:
+                    _, micro_loss = train_model(x[micro].to(device), y[micro].to(device))
+                (micro_loss / accum_steps).backward()
+            loss += micro_loss.detach() / accum_steps
+        if ddp:
+            dist.all_reduce(loss)
+            loss /= world_size
+        loss = loss.item()  # the same on every rank, so all of them stop together
+        if not math.isfinite(loss):
+            if is_main:
+                print(f"train.py: step {step + 1}: the loss is {loss}; stopping, {ckpt_path} left as it was",
+                      file=sys.stderr)
+            return 1
+        optimizer_step(raw_model, optimizers, cfg)
+        step += 1
+        timed_steps += 1
+
+        if is_main and (step % cfg.log_interval == 0 or step == last_step):
+            seconds = (time.perf_counter() - t0) / timed_steps
+            tokens_per_s = tokens_per_step / seconds
+            mfu = flops_per_step / seconds / (peak * world_size) if peak else None
+            lr = optimizers[0].param_groups[0]["lr"]
+            record = dict(step=step, loss=loss, lr=lr, ms_per_step=1000 * seconds, tokens_per_s=tokens_per_s, mfu=mfu)
+            log(out_dir, record,
+                f"step {step}/{cfg.max_steps} | loss {loss:.4f} | lr {lr:.2e} | {1000 * seconds:.1f} ms/step | "
+                f"{tokens_per_s:,.0f} tok/s" + (f" | MFU {100 * mfu:.1f}%" if mfu is not None else ""))
+            t0, timed_steps = time.perf_counter(), 0
+
+        if step % cfg.eval_interval == 0 or step == last_step:
+            val_loss, val_bpb = evaluate(model, val_tokens, bytes_per_token, T, micro_batch, autocast,
+                                         rank, world_size)
+            if not math.isfinite(val_loss):
+                if is_main:
+                    print(f"train.py: step {step}: the validation loss is {val_loss}; stopping, "
+                          f"{ckpt_path} left as it was", file=sys.stderr)
+                return 1
+            best = [math.inf if evals[k] is None else evals[k] for k in ("best_val_loss", "best_val_bpb")]
+            evals = dict(val_loss=val_loss, val_bpb=val_bpb,
+                         best_val_loss=min(val_loss, best[0]), best_val_bpb=min(val_bpb, best[1]))
+            if is_main:
+                log_eval(out_dir, step, val_loss, val_bpb)
+                save_checkpoint(ckpt_path, checkpoint_dict(raw_model, model_config, cfg, optimizers, step, evals,
+                                                           meta, device))
+            t0, timed_steps = time.perf_counter(), 0
+    return 0
+
+
+def pick_device(name, local_rank):
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available() or name == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"--device={name}: not available on this machine")
+    return torch.device("cuda", local_rank) if name == "cuda" else torch.device(name)
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,6 +321,7 @@ def parse_args(argv):
         cfg = TrainConfig(**{k: v for k, v in values.items() if k not in model_fields})
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    cfg.out_dir = cfg.out_dir or f"out/{model_config.attn}"
     return model_config, cfg
 
 
@@ -199,7 +359,7 @@ def load_data(cfg, model_config):
         train = [read_shard(path) for path in shard_paths(cfg.data_dir, "train")]
         val = [read_shard(path) for path in shard_paths(cfg.data_dir, "val")]
         bytes_per_token = torch.from_numpy(token_bytes(meta["tokenizer"])).float()
-    except (OSError, ValueError) as e:  # OSError: no data, or the gpt2 tokenizer offline and uncached
+    except (OSError, ValueError) as e:  # no data, or a damaged gpt2.tiktoken
         raise ConfigError(str(e)) from None
     # the model's vocabulary may pad the data's to a multiple of 128 (GPT-2: 50257 -> 50304), no more
     data_vocab, model_vocab = meta["vocab_size"], model_config.vocab_size
@@ -416,13 +576,14 @@ def save_checkpoint(path, checkpoint):
         torch.save(checkpoint, f)
 
 
-def load_checkpoint(path):
+def load_checkpoint(path, device="meta"):
     """(ckpt, model): a checkpoint_dict read back, and the GPT of its model_args holding its
     weights, or a ConfigError of one line that starts with the path. weights_only: reading a
-    checkpoint can never run code. mmap and a model built on the meta device: nothing is read or
-    initialised but the weights the caller touches, which keeps analyze.py on six 128M
-    checkpoints to seconds. The model's RoPE table is left on the meta device: to run the
-    weights, load them into a GPT built on a device (restore does)."""
+    checkpoint can never run code. On the meta device (the default) the model is a shell around
+    the memory-mapped weights: nothing is read or initialised but what the caller touches, which
+    keeps analyze.py on six 128M checkpoints to seconds, and its RoPE table cannot run. On any
+    other device (a torch.device or a name: "cpu", "cuda") the model is built there, whole and
+    runnable, in the checkpoint's fp32."""
     def bad(problem):
         return ConfigError(f"{path}: {problem}")
 
@@ -440,9 +601,9 @@ def load_checkpoint(path):
         if key not in ckpt:
             raise bad(f"not a train.py checkpoint: it has no {key!r}")
     try:
-        with torch.device("meta"):
+        with torch.device(device):
             model = GPT(GPTConfig(**ckpt["model_args"]))
-        model.load_state_dict(ckpt["model"], assign=True)
+        model.load_state_dict(ckpt["model"], assign=model.wte.weight.is_meta)
     except (TypeError, ValueError, RuntimeError) as e:
         raise bad("model_args and weights do not make a GPT: " + " ".join(str(e).split())) from None
     return ckpt, model
@@ -466,7 +627,7 @@ def restore(checkpoint, model, optimizers, device):
 # checkpoints it writes would describe that one). Data, device, dtype, compilation, micro-batching,
 # the evaluation and log cadence and stop_after may change from one job of a run to the next.
 RESUME_FLAGS = ("batch_size", "max_steps", "warmup_steps", "optimizer", "muon_lr", "adamw_lr", "embedding_lr",
-                "unembedding_lr", "weight_decay", "grad_clip", "eval_tokens", "seed")
+                "unembedding_lr", "weight_decay", "grad_clip", "eval_tokens", "seed", "init_from")
 
 
 def load_resume_checkpoint(cfg, model_config):
@@ -484,12 +645,33 @@ def load_resume_checkpoint(cfg, model_config):
     return ckpt, model
 
 
+def load_init_checkpoint(cfg, model_config):
+    """The state_dict of the model the flags describe, made from the --init_from checkpoint's
+    weights: copied where the variant and every shape agree, else through GPT.convert_from."""
+    path = Path(cfg.init_from)
+    if path.exists() and path.resolve() == (Path(cfg.out_dir) / "ckpt.pt").resolve():
+        raise ConfigError(f"--init_from={path} is this run's own checkpoint, which the run would overwrite: "
+                          "give the run its own --out_dir")
+    _, source = load_checkpoint(path)
+    model = GPT(model_config)
+    try:
+        model.convert_from(source)
+    except ValueError as e:
+        raise ConfigError(f"--init_from={path}: {e}") from None
+    return model.state_dict()
+
+
 # The log's format: log appends one record a line to out_dir/log.jsonl, read_log reads them back.
 # Training records hold step and loss (and lr, timings), evaluation records step and val_loss.
 def log(out_dir, record, line):
     print(line, flush=True)
     with open(Path(out_dir) / "log.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def log_eval(out_dir, step, val_loss, val_bpb):
+    log(out_dir, dict(step=step, val_loss=val_loss, val_bpb=val_bpb),
+        f"step {step} | val loss {val_loss:.4f} | val bpb {val_bpb:.4f}")
 
 
 def read_log(out_dir):
@@ -503,153 +685,6 @@ def start_log(out_dir, resume_step):
     (the stopped run may have logged past it), so the log reads as one uninterrupted run."""
     kept = [r for r in read_log(out_dir) if r["step"] <= resume_step] if resume_step is not None else []
     (Path(out_dir) / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
-
-
-# ---------------------------------------------------------------------------------------------
-# The run
-
-def pick_device(name, local_rank):
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available() or name == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError(f"--device={name}: not available on this machine")
-    return torch.device("cuda", local_rank) if name == "cuda" else torch.device(name)
-
-
-def main(argv=None):
-    """Check everything, then train; the exit code: 0 done, 1 the loss diverged, 2 bad input."""
-    # torchrun's environment; a plain `python train.py` is rank 0 of 1
-    rank = int(os.environ.get("RANK", 0))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    try:
-        model_config, cfg = parse_args(sys.argv[1:] if argv is None else argv)
-        if cfg.batch_size % world_size:
-            raise ConfigError(f"--batch_size={cfg.batch_size} does not split over {world_size} processes")
-        micro_batch = min(cfg.micro_batch_size, cfg.batch_size // world_size)
-        if cfg.batch_size // world_size % micro_batch:
-            raise ConfigError(f"--micro_batch_size={micro_batch} does not divide the {cfg.batch_size // world_size} "
-                              f"sequences each of {world_size} processes takes a step")
-        data = load_data(cfg, model_config)
-        device = pick_device(cfg.device, local_rank)
-        resumed = load_resume_checkpoint(cfg, model_config) if cfg.resume else None
-    except ConfigError as e:
-        if rank == 0:
-            print(f"train.py: {e}", file=sys.stderr)
-        return 2
-
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if world_size == 1:
-        return train(model_config, cfg, data, device, resumed, micro_batch, rank, world_size)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    try:
-        return train(model_config, cfg, data, device, resumed, micro_batch, rank, world_size)
-    finally:
-        # DDP sits in reference cycles, which only the garbage collector frees: free it now, while
-        # the process group and the interpreter are whole (at exit, gloo's threads can abort the process)
-        gc.collect()
-        dist.destroy_process_group()
-
-
-def train(model_config, cfg, data, device, resumed, micro_batch, rank, world_size):
-    """Train from load_checkpoint's (ckpt, model) (None: from the start) up to step min(max_steps, stop_after); the exit code."""
-    meta, batches, val_tokens, bytes_per_token = data
-    is_main, ddp = rank == 0, world_size > 1
-    dtype = cfg.dtype if cfg.dtype != "auto" else "bfloat16" if device.type == "cuda" else "float32"
-    compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("high")  # TF32 for the matmuls autocast leaves in fp32
-    torch.manual_seed(cfg.seed)
-    raw_model = GPT(model_config).to(device)
-    optimizers = configure_optimizers(raw_model, cfg)
-    step, evals = 0, dict.fromkeys(EVALS)
-    if resumed is not None:
-        step, evals = restore(resumed, raw_model, optimizers, device)
-    model = torch.compile(raw_model) if compile else raw_model
-    train_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if ddp else model
-    bytes_per_token = bytes_per_token.to(device)
-
-    T = model_config.block_size
-    accum_steps = cfg.batch_size // world_size // micro_batch
-    tokens_per_step = cfg.batch_size * T
-    last_step = min(cfg.max_steps, cfg.stop_after or cfg.max_steps)
-    flops_per_step = raw_model.flops_per_token(T) * tokens_per_step
-    peak = peak_flops(device)
-    out_dir, ckpt_path = Path(cfg.out_dir), Path(cfg.out_dir) / "ckpt.pt"
-    if is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        start_log(out_dir, step if resumed is not None else None)
-        n_params = raw_model.get_num_params()
-        print(f"{model_config.attn}: {n_params / 1e6:.1f}M parameters, "
-              f"{raw_model.kv_cache_elements_per_token()} KV cache elements per token per layer | "
-              f"{world_size} x {device.type}, {dtype}, compile {compile} | "
-              f"{cfg.batch_size} x {T} = {tokens_per_step:,} tokens a step in {accum_steps} micro step(s) of "
-              f"{micro_batch} per process | steps {step} -> {last_step} of {cfg.max_steps}", flush=True)
-        if device.type == "cpu" and n_params > 100e6:
-            print(f"warning: a {n_params / 1e6:.0f}M-parameter model on a CPU takes minutes a step; "
-                  "config/demo.py is the preset for CPUs", file=sys.stderr)
-
-    # timings average over each log interval; on CUDA the first one includes torch.compile's compiling
-    t0, timed_steps = time.perf_counter(), 0
-    while step < last_step:
-        lr_mult = lr_multiplier(step, cfg)
-        for opt in optimizers:
-            for group in opt.param_groups:
-                group["lr"] = group["initial_lr"] * lr_mult
-        x, y = batches.get(cfg.seed, step, cfg.batch_size, rank, world_size)
-        loss = torch.zeros((), device=device)
-        for i in range(accum_steps):
-            micro = slice(i * micro_batch, (i + 1) * micro_batch)
-            # DDP averages the gradients over processes in the backward of the last micro step only
-            with train_model.no_sync() if ddp and i < accum_steps - 1 else nullcontext():
-                with autocast:
-                    _, micro_loss = train_model(x[micro].to(device), y[micro].to(device))
-                (micro_loss / accum_steps).backward()
-            loss += micro_loss.detach() / accum_steps
-        if ddp:
-            dist.all_reduce(loss)
-            loss /= world_size
-        loss = loss.item()  # the same on every rank, so all of them stop together
-        if not math.isfinite(loss):
-            if is_main:
-                print(f"train.py: step {step + 1}: the loss is {loss}; stopping, {ckpt_path} left as it was",
-                      file=sys.stderr)
-            return 1
-        optimizer_step(raw_model, optimizers, cfg)
-        step += 1
-        timed_steps += 1
-
-        if is_main and (step % cfg.log_interval == 0 or step == last_step):
-            seconds = (time.perf_counter() - t0) / timed_steps
-            tokens_per_s = tokens_per_step / seconds
-            mfu = flops_per_step / seconds / (peak * world_size) if peak else None
-            lr = optimizers[0].param_groups[0]["lr"]
-            record = dict(step=step, loss=loss, lr=lr, ms_per_step=1000 * seconds, tokens_per_s=tokens_per_s, mfu=mfu)
-            log(out_dir, record,
-                f"step {step}/{cfg.max_steps} | loss {loss:.4f} | lr {lr:.2e} | {1000 * seconds:.1f} ms/step | "
-                f"{tokens_per_s:,.0f} tok/s" + (f" | MFU {100 * mfu:.1f}%" if mfu is not None else ""))
-            t0, timed_steps = time.perf_counter(), 0
-
-        if step % cfg.eval_interval == 0 or step == last_step:
-            val_loss, val_bpb = evaluate(model, val_tokens, bytes_per_token, T, micro_batch, autocast,
-                                         rank, world_size)
-            if not math.isfinite(val_loss):
-                if is_main:
-                    print(f"train.py: step {step}: the validation loss is {val_loss}; stopping, "
-                          f"{ckpt_path} left as it was", file=sys.stderr)
-                return 1
-            best = [math.inf if evals[k] is None else evals[k] for k in ("best_val_loss", "best_val_bpb")]
-            evals = dict(val_loss=val_loss, val_bpb=val_bpb,
-                         best_val_loss=min(val_loss, best[0]), best_val_bpb=min(val_bpb, best[1]))
-            if is_main:
-                log(out_dir, dict(step=step, val_loss=val_loss, val_bpb=val_bpb),
-                    f"step {step} | val loss {val_loss:.4f} | val bpb {val_bpb:.4f}")
-                save_checkpoint(ckpt_path, checkpoint_dict(raw_model, model_config, cfg, optimizers, step, evals,
-                                                           meta, device))
-            t0, timed_steps = time.perf_counter(), 0
-    return 0
 
 
 if __name__ == "__main__":

@@ -7,10 +7,8 @@
 # Ranks keep the paper's ratios at the head dim of 16: LRKV's r = 46 of 128 becomes 6 (the
 # figures' r = 16 and 64 become --lrkv_rank=2 and 8), MLA's d_c = 128 of d = 768 becomes 16, GQA
 # keeps 3 of 6 KV heads. MLA's RoPE key is d_R = d_h = 16 rather than the 128M's d_h / 2: at
-# d_R = 8 RoPE has 4 frequencies, too few to place bytes, and MLA trained far worse (README).
-# Give each variant its own --out_dir.
+# d_R = 8 RoPE has 4 frequencies, too few to place bytes, and MLA trained far worse (docs/results.md).
 data_dir = "data/pydocs-byte"
-out_dir = "out/demo"
 vocab_size = 256
 block_size = 128
 n_layer = 4
@@ -20,7 +18,7 @@ n_embd = 96
 n_kv_head = 3
 kv_lora_rank = 16
 rope_head_dim = 16
-lrkv_rank = 6
+lrkv_rank = 6  # for --attn=lrkv by hand; make demo runs the figures' 2 and 8
 
 batch_size = 8
 micro_batch_size = 8

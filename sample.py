@@ -1,0 +1,139 @@
+"""
+Sample text from a checkpoint written by train.py, printing each token as it is drawn.
+
+    python sample.py out/demo/mha/ckpt.pt                        # a new document, on the best device
+    python sample.py out/demo/lrkv-r8/ckpt.pt --prompt="def " --temperature=0 --device=cpu
+    python sample.py out/mqa/ckpt.pt --prompt=FILE:prompt.txt --num_samples=5 --max_new_tokens=500
+
+The checkpoint holds its data's tokenizer, which encodes the prompt and decodes the samples. A
+sample ends after max_new_tokens or at the end-of-text token. The last line gives the decoding
+speed and the KV cache each sample allocates (model.py's kv_cache_bytes).
+"""
+
+import argparse
+import codecs
+import math
+import sys
+import time
+
+import torch
+
+from prepare_data import get_tokenizer
+from train import ConfigError, load_checkpoint, pick_device
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not the usage block: main prints it
+        raise ConfigError(message)
+
+
+def positive_int(text):
+    n = int(text)  # not an integer: argparse's "invalid positive_int value"
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n}: must be at least 1")
+    return n
+
+
+def top_k(text):
+    return None if text == "none" else positive_int(text)
+
+
+def temperature(text):
+    t = float(text)
+    if not 0 <= t < math.inf:  # nan fails this too
+        raise argparse.ArgumentTypeError(f"{text}: must be a finite number >= 0")
+    return t
+
+
+def load_tokenizer(path, ckpt):
+    if "tokenizer" not in ckpt:
+        raise ConfigError(f"{path}: has no 'tokenizer' (its data's meta.json) to decode with: "
+                          "not written by this train.py")
+    try:
+        return get_tokenizer(ckpt["tokenizer"]["tokenizer"])
+    except ValueError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def encode_prompt(prompt, tok):
+    if prompt.startswith("FILE:"):
+        try:
+            with open(prompt.removeprefix("FILE:"), encoding="utf-8") as f:
+                prompt = f.read()
+        except OSError as e:
+            raise ConfigError(f"--prompt={prompt}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"--prompt={prompt}: not UTF-8 text") from None
+    # end-of-text opens every document in the shards: a prompt is the start of one
+    return [tok.eot_id, *tok.encode_batch([prompt])[0].tolist()]
+
+
+def size(n_bytes):
+    return f"{n_bytes / 2**20:.1f} MiB" if n_bytes >= 2**20 else f"{n_bytes / 2**10:.1f} KiB"
+
+
+def main(argv=None):
+    """Sample; the exit code: 0 done, 2 bad input."""
+    parser = Parser(description=__doc__.strip().split("\n\n")[0])
+    parser.add_argument("ckpt", help="a ckpt.pt written by train.py")
+    parser.add_argument("--prompt", default="",
+                        help="the text to continue, or FILE:path for a file's; default: a new document")
+    parser.add_argument("--num_samples", type=positive_int, default=1)
+    parser.add_argument("--max_new_tokens", type=positive_int, default=200,
+                        help="the prompt's tokens plus these must fit in the model's block_size")
+    parser.add_argument("--temperature", type=temperature, default=0.8, help="0: greedy")
+    parser.add_argument("--top_k", type=top_k, default=200, help="draw from the k likeliest tokens; none: from all")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "mps", "cpu"),
+                        help="auto: cuda, else mps, else cpu")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="auto: bfloat16 on cuda, else float32")
+    parser.add_argument("--no_cache", action="store_true",
+                        help="decode without the KV cache: every step reads the whole sequence again")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile the single-token step once, on fixed shapes (CUDA graphs on a GPU)")
+    try:
+        args = parser.parse_args(argv)
+        device = pick_device(args.device, 0)
+        ckpt, model = load_checkpoint(args.ckpt, device)
+        tok = load_tokenizer(args.ckpt, ckpt)
+        if args.compile and args.no_cache:
+            raise ConfigError("--compile compiles the cached single-token step: it cannot go with --no_cache")
+        prompt = encode_prompt(args.prompt, tok)
+        seq_len = len(prompt) + args.max_new_tokens
+        if seq_len > model.config.block_size:
+            raise ConfigError(f"the prompt's {len(prompt)} tokens + --max_new_tokens={args.max_new_tokens} = "
+                              f"{seq_len} exceed the model's block_size = {model.config.block_size}")
+    except ConfigError as e:
+        print(f"sample.py: {e}", file=sys.stderr)
+        return 2
+
+    dtype_name = args.dtype if args.dtype != "auto" else "bfloat16" if device.type == "cuda" else "float32"
+    dtype = getattr(torch, dtype_name)
+    model.to(dtype).eval()
+    # seeded after loading, whose model init draws from the RNG: seed s draws what generate() does
+    # after torch.manual_seed(s)
+    torch.manual_seed(args.seed)
+    idx = torch.tensor([prompt], device=device)
+    drawn, t0 = 0, time.perf_counter()
+    for _ in range(args.num_samples):
+        # byte tokens can split a character: the decoder holds its first bytes until it is whole
+        text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        print(text.decode(tok.decode_bytes(prompt)), end="", flush=True)
+        for token in model.stream(idx, args.max_new_tokens, args.temperature, args.top_k, not args.no_cache,
+                                  args.compile):
+            drawn += 1
+            if token.item() == tok.eot_id:
+                break  # the document ends here: the tokens after it would start an unrelated one
+            print(text.decode(tok.decode_bytes(token[0].tolist())), end="", flush=True)
+        print(text.decode(b"", final=True) + "\n---------------")
+    seconds = time.perf_counter() - t0
+    cache = ("no KV cache (--no_cache)" if args.no_cache else
+             f"KV cache {size(model.kv_cache_bytes(1, seq_len, dtype))} ({dtype_name}, 1 x {seq_len} tokens)")
+    print(f"{args.num_samples} sample{'s' * (args.num_samples > 1)}, {drawn} tokens in {seconds:.1f} s: "
+          f"{drawn / seconds:.0f} tokens/s | {cache}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

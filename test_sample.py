@@ -1,0 +1,169 @@
+"""sample.py on a tiny LRKV checkpoint that train.py writes: a greedy sample is generate()'s, with
+the cache and without; a seed reproduces a sample and draws what generate() draws; the flags reach
+GPT.stream; end-of-text ends a sample; a character split over byte tokens prints whole as soon as
+it is; the last line reports the speed and kv_cache_bytes; bad input is one line and exit code 2."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import prepare_data
+import sample
+import train
+from model import GPT
+from test_train import data_dir, flags  # noqa: F401 (data_dir is a fixture)
+
+REPO = Path(__file__).resolve().parent
+BYTES = prepare_data.get_tokenizer("byte")
+PROMPT, NEW = "def ", 20
+SEPARATOR = "\n---------------\n"
+
+
+@pytest.fixture(scope="module")
+def ckpt(data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    assert train.main(flags(data_dir=data_dir, out_dir=out, max_steps=4)) == 0
+    return out / "ckpt.pt"
+
+
+@pytest.fixture(scope="module")
+def model(ckpt):
+    return train.load_checkpoint(ckpt, "cpu")[1].eval()
+
+
+def run(capsys, ckpt, *args):
+    """sample.py's samples and its last line."""
+    code = sample.main([str(ckpt), "--device=cpu", f"--max_new_tokens={NEW}", *args])
+    out, err = capsys.readouterr()
+    assert code == 0 and err == ""
+    *samples, last = out.split(SEPARATOR)
+    assert last.endswith("\n") and last.count("\n") == 1
+    return samples, last
+
+
+def reference(model, prompt, **kwargs):
+    """What sample.py prints of one sample, from generate(): the text up to the end-of-text that
+    ends the document, and the tokens drawn up to it, it included."""
+    ids = [BYTES.eot_id, *BYTES.encode_batch([prompt])[0].tolist()]
+    new = model.generate(torch.tensor([ids]), NEW, **kwargs)[0, len(ids):].tolist()
+    drawn = new.index(BYTES.eot_id) + 1 if BYTES.eot_id in new else NEW
+    return BYTES.decode(ids + new[:drawn]), drawn
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_greedy_sample_is_generate(capsys, ckpt, model, cache):
+    samples, last = run(capsys, ckpt, f"--prompt={PROMPT}", "--temperature=0", "--num_samples=2",
+                        *([] if cache else ["--no_cache"]))
+    text, drawn = reference(model, PROMPT, temperature=0, use_cache=cache)
+    assert samples == [text, text]
+    assert last.startswith(f"2 samples, {2 * drawn} tokens in ")
+
+
+def test_seed_reproduces_a_sample_and_another_seed_changes_it(capsys, ckpt, model):
+    probs = torch.softmax(model(torch.tensor([[BYTES.eot_id, *PROMPT.encode()]]))[0][0, -1], dim=-1)
+    assert probs.max() < 0.1  # far from one token's: different draws give different samples
+    args = f"--prompt={PROMPT}", "--temperature=0.8", "--top_k=40", "--num_samples=2"
+    samples = run(capsys, ckpt, *args, "--seed=1")[0]
+    assert samples == run(capsys, ckpt, *args, "--seed=1")[0]
+    assert samples[0] != samples[1]  # seeded once, not once a sample
+    assert run(capsys, ckpt, *args, "--seed=2")[0][0] != samples[0]
+    torch.manual_seed(1)
+    assert samples[0] == reference(model, PROMPT, temperature=0.8, top_k=40)[0]
+
+
+def fake_stream(monkeypatch, tokens, before_each=lambda: None):
+    """GPT.stream drawing the given tokens, calling before_each before each; the tokens drawn and
+    the arguments of each call."""
+    drawn, calls = [], []
+
+    def stream(self, idx, max_new_tokens, temperature, top_k, use_cache, compile):
+        calls.append((idx.tolist(), max_new_tokens, temperature, top_k, use_cache, compile))
+        for token in tokens:
+            before_each()
+            drawn.append(token)
+            yield torch.tensor([[token]])
+    monkeypatch.setattr(GPT, "stream", stream)
+    return drawn, calls
+
+
+def test_the_flags_reach_stream(capsys, monkeypatch, ckpt):
+    calls = fake_stream(monkeypatch, [])[1]
+    run(capsys, ckpt)
+    run(capsys, ckpt, f"--prompt={PROMPT}", "--temperature=0.5", "--top_k=none", "--no_cache", "--num_samples=2")
+    run(capsys, ckpt, "--compile")
+    assert calls == ([([[BYTES.eot_id]], NEW, 0.8, 200, True, False)]
+                     + [([[BYTES.eot_id, *PROMPT.encode()]], NEW, 0.5, None, False, False)] * 2
+                     + [([[BYTES.eot_id]], NEW, 0.8, 200, True, True)])
+
+
+def test_end_of_text_ends_a_sample(capsys, monkeypatch, ckpt):
+    drawn = fake_stream(monkeypatch, [*b"ab", BYTES.eot_id, *b"cd"])[0]
+    samples, last = run(capsys, ckpt, f"--prompt={PROMPT}", "--num_samples=2")
+    assert samples == [PROMPT + "ab"] * 2
+    assert drawn == [*b"ab", BYTES.eot_id] * 2
+    assert last.startswith("2 samples, 6 tokens in ")
+
+
+def test_a_character_split_over_byte_tokens_prints_whole_once_drawn(capsys, monkeypatch, ckpt):
+    printed = []  # what sample.py has printed by each draw
+    fake_stream(monkeypatch, [*"é€🐍".encode(), 0xE2], lambda: printed.append(capsys.readouterr().out))
+    samples = run(capsys, ckpt, "--prompt=ü")[0]
+    assert printed == ["ü", "", "é", "", "", "€", "", "", "", "🐍"]
+    assert samples == ["\ufffd"]  # a lone first byte that no more bytes complete, when the sample ends
+
+
+def test_the_last_line_reports_speed_and_kv_cache_bytes(capsys, ckpt):
+    stats = r"1 sample, (\d+) tokens in (\d+\.\d) s: (\d+) tokens/s \| "
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+        last = run(capsys, ckpt, "--temperature=0", f"--dtype={name}")[1]
+        model = train.load_checkpoint(ckpt, "cpu")[1].to(dtype)
+        size = model.kv_cache_bytes(1, 1 + NEW, dtype)  # the default prompt is one end-of-text token
+        assert size < 2**20
+        match = re.fullmatch(stats + re.escape(f"KV cache {size / 2**10:.1f} KiB ({name}, 1 x {1 + NEW} tokens)\n"), last)
+        assert match and int(match[1]) == reference(model, "", temperature=0)[1] and int(match[3]) > 0, last
+    assert re.fullmatch(stats + r"no KV cache \(--no_cache\)\n", run(capsys, ckpt, "--no_cache")[1])
+
+
+def bad_inputs(ckpt, tmp_path):
+    """(arguments, what the error line says) for each kind of bad input."""
+    junk, untokenized = tmp_path / "junk.pt", tmp_path / "old.pt"
+    junk.write_bytes(b"not a checkpoint")
+    torch.save({k: v for k, v in torch.load(ckpt, weights_only=True).items() if k != "tokenizer"}, untokenized)
+    (tmp_path / "long.txt").write_text("x" * 30)
+    unavailable = "mps" if torch.cuda.is_available() else "cuda"
+    return [
+        ([tmp_path / "missing.pt"], "missing.pt: No such file or directory"),
+        ([junk], "junk.pt: not a PyTorch checkpoint"),
+        ([untokenized], "old.pt: has no 'tokenizer'"),
+        ([ckpt, "--max_new_tokens=32"], "1 tokens + --max_new_tokens=32 = 33 exceed the model's block_size = 32"),
+        ([ckpt, f"--prompt=FILE:{tmp_path / 'long.txt'}", "--max_new_tokens=2"], "31 tokens + --max_new_tokens=2 = 33"),
+        ([ckpt, "--prompt=FILE:"], "--prompt=FILE:: No such file or directory"),
+        ([ckpt, f"--prompt=FILE:{tmp_path}"], "Is a directory"),
+        ([ckpt, "--bogus"], "unrecognized arguments: --bogus"),
+        ([ckpt, "--temperature=-0.5"], "argument --temperature: -0.5: must be a finite number >= 0"),
+        ([ckpt, "--top_k=0"], "argument --top_k: 0: must be at least 1"),
+        ([ckpt, "--num_samples=0"], "argument --num_samples: 0: must be at least 1"),
+        ([ckpt, "--max_new_tokens=0"], "argument --max_new_tokens: 0: must be at least 1"),
+        ([ckpt, f"--device={unavailable}"], f"--device={unavailable}: not available on this machine"),
+        ([ckpt, "--compile", "--no_cache"], "--compile compiles the cached single-token step"),
+    ]
+
+
+def test_bad_input_is_one_line_and_exit_code_2(capsys, ckpt, tmp_path):
+    for args, says in bad_inputs(ckpt, tmp_path):
+        assert sample.main(["--device=cpu", *map(str, args)]) == 2, args  # a --device in args comes later: it wins
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and err.startswith("sample.py: ") and says in err, (args, err)
+
+
+def test_bad_input_from_the_command_line(ckpt, tmp_path):
+    # one case: the script's exit code and stderr are main()'s, and each start imports torch for seconds
+    args, says = bad_inputs(ckpt, tmp_path)[1]  # the junk checkpoint
+    result = subprocess.run([sys.executable, "sample.py", *map(str, args)], cwd=REPO, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2 and result.stdout == "" and result.stderr.count("\n") == 1 and says in result.stderr
