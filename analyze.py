@@ -307,7 +307,7 @@ def plot_rank_energy(run, head_dim):
     """run's rank_energy: per layer, the share of its heads' key (left) and value (right)
     deviation from their mean that a rank-r residual per head keeps, with the paper's ranks
     (r = 16, 46 and 64 of d_h = 128) marked where they fall at this head dim."""
-    fig = Figure(figsize=(10, 3.8), layout="constrained")
+    fig = Figure(figsize=(10, 4.6), layout="constrained")
     axes = fig.subplots(1, 2, sharey=True)
     ranks = np.arange(1, head_dim + 1)
     for ax, name in zip(axes, ("keys", "values")):
@@ -317,11 +317,12 @@ def plot_rank_energy(run, head_dim):
             ax.axvline(paper_r * head_dim / 128, color="gray", linestyle=style,
                        label=f"the paper's r = {paper_r} of 128 (here {paper_r * head_dim / 128:g})")
         ax.set_ylim(0, 1.02)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.set_xlabel("Rank r of each head's residual")
         ax.set_title(name.capitalize())
     axes[0].set_ylabel("Share of sum_h ||W_h - mean||_F^2 kept")
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right upper")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=4)
     fig.suptitle(f"Rank the Heads Need ({run['label']}, {model_size(run['n_params'])})")
     return fig
 
