@@ -18,12 +18,14 @@ started. Everything runs on the CPU in float64.
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
 from pathlib import Path
 
 import numpy as np
+from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
@@ -132,7 +134,7 @@ def analyze(path):
         **validation,
         "curves": loss_curves(records, ckpt),
         "init_from": init_from,
-        "init_from_attn": source_attn(init_from),
+        "init_from_args": source_args(init_from),
         # a run from --init_from evaluates the converted model at step 0, before any update
         "start": next(({k: r[k] for k in ("val_loss", "val_bpb")} for r in records if r["step"] == 0 and "val_loss" in r), None),
         "rank_energy": rank_energy(model),
@@ -142,10 +144,10 @@ def analyze(path):
     }
 
 
-def source_attn(path):
-    """The variant of the checkpoint a run started from, or None if it is gone."""
+def source_args(path):
+    """The model_args of the checkpoint a run started from, or None if it is gone."""
     try:
-        return load_checkpoint(path)[0]["model_args"]["attn"] if path else None
+        return load_checkpoint(path)[0]["model_args"] if path else None
     except ConfigError:
         return None
 
@@ -165,13 +167,16 @@ def colors(labels):
 
 def legend_labels(configs, runs):
     """The paper's legend labels, each variant's own (Attention.legend_label), and for a run
-    started from another checkpoint "uptrained" (of the same variant) or "converted"; a label
-    that would still name two checkpoints (two seeds, say) gets each one's folder appended."""
-    def started(run):
+    started from another checkpoint "uptrained" (the same model) or "converted" (another), or
+    "from a checkpoint" where that one is gone; a label that would still name two checkpoints
+    (two seeds, say) gets each one's folder appended."""
+    def started(config, run):
         if not run["init_from"]:
             return ""
-        return ", uptrained" if run["init_from_attn"] == run["attn"] else ", converted"
-    names = [ATTENTION[c.attn].legend_label(c, [peer for peer in configs if peer.attn == c.attn]) + started(run)
+        if run["init_from_args"] is None:
+            return ", from a checkpoint"
+        return ", uptrained" if run["init_from_args"] == dataclasses.asdict(config) else ", converted"
+    names = [ATTENTION[c.attn].legend_label(c, [peer for peer in configs if peer.attn == c.attn]) + started(c, run)
              for c, run in zip(configs, runs)]
     ckpts = [run["ckpt"] for run in runs]
     return [f"{name} ({Path(ckpt).parent})" if names.count(name) > 1 else name for name, ckpt in zip(names, ckpts)]
@@ -311,8 +316,10 @@ def plot_rank_energy(run, head_dim):
     axes = fig.subplots(1, 2, sharey=True)
     ranks = np.arange(1, head_dim + 1)
     for ax, name in zip(axes, ("keys", "values")):
-        for layer, kept in enumerate(run["rank_energy"][name]):
-            ax.plot(ranks, kept, marker="o", markersize=3, color=f"C{layer}", label=f"layer {layer}")
+        layers = run["rank_energy"][name]
+        for layer, kept in enumerate(layers):
+            shade = colormaps["viridis"](0.9 * layer / max(1, len(layers) - 1))  # first layer dark, last light
+            ax.plot(ranks, kept, marker="o", markersize=3, color=shade, label=f"layer {layer}")
         for paper_r, style in ((16, ":"), (46, "--"), (64, "-.")):
             ax.axvline(paper_r * head_dim / 128, color="gray", linestyle=style,
                        label=f"the paper's r = {paper_r} of 128 (here {paper_r * head_dim / 128:g})")

@@ -23,20 +23,21 @@ if [ "${TINY:-}" ]; then
   lrkv_rank=4 bench=(--preset=tiny --device=cpu)
 else
   model=() run=(--max_steps=60 --warmup_steps=10 --eval_interval=30 --eval_tokens=4096 --log_interval=10)
-  lrkv_rank=16 bench=()
+  lrkv_rank=16 bench=(--preset=128m)
 fi
 
 gpus
-{
-  timeout 25 "$python" prepare_data.py --dataset=pydocs --tokenizer=gpt2 --out_dir="$out/data" \
-    && for attn in mha lrkv; do
-         timeout 75 "$python" train.py config/gpu.py --attn=$attn --lrkv_rank=$lrkv_rank "${model[@]}" "${run[@]}" \
-           --data_dir="$out/data" --out_dir="$out/pipeline/$attn" || exit 1
-       done \
-    && timeout 20 "$python" analyze.py "$out/pipeline" \
+pipeline() {
+  timeout 25 "$python" prepare_data.py --dataset=pydocs --tokenizer=gpt2 --out_dir="$out/data" || return
+  for attn in mha lrkv; do
+    timeout 75 "$python" train.py config/gpu.py --attn=$attn --lrkv_rank=$lrkv_rank "${model[@]}" "${run[@]}" \
+      --data_dir="$out/data" --out_dir="$out/pipeline/$attn" || return
+  done
+  timeout 20 "$python" analyze.py "$out/pipeline" \
     && timeout 25 "$python" sample.py "$out/pipeline/lrkv/ckpt.pt" --prompt="def " --max_new_tokens=32
-  echo "pipeline: exit $?"
-} 2>&1 | tee "$out/pipeline.log"
+}
+pipeline 2>&1 | tee "$out/pipeline.log"
+echo "pipeline: exit ${PIPESTATUS[0]}" | tee -a "$out/pipeline.log"
 gpus
 timeout 200 "$python" bench.py "${bench[@]}" --only=decode --check --out="$out/decode.json" 2>&1 | tee "$out/decode.log"
 echo "decoding: exit ${PIPESTATUS[0]}" | tee -a "$out/decode.log"

@@ -85,9 +85,10 @@ def apply_rope(x, rope):
 
 
 # -----------------------------------------------------------------------------
-# The attention variants. Each class reads top-down: its math for training first (forward, a
-# screen or less), then what decoding adds (the cache and the exact single-token step), then how
-# it is built from, or gives, H full per-head key and value projections (conversion).
+# The attention variants. Each class reads top-down: its parameters and knobs, its math for
+# training (forward, a screen or less), then what decoding adds (the cache and the exact
+# single-token step), then how it is built from, or gives, H full per-head key and value
+# projections (conversion).
 
 class Attention(nn.Module):
     """The interface of an attention variant, and what every variant shares: H full-rank query
@@ -101,7 +102,8 @@ class Attention(nn.Module):
       (for analyze.py) comes from head_kv_weights unless the variant defines it.
     - Decoding: cache_shapes, and forward's cache argument.
     - Conversion: head_kv_weights and load_head_kv_weights; without them train.py --init_from
-      refuses the variant as a source or as a target.
+      converts neither to nor from the variant (a checkpoint of the same variant and shapes is
+      still copied whole).
 
     Widths: every query and key head is qk_dim wide, every value head head_dim (W_o reads H of
     them). RoPE rotates the last rope_dim dims of each query and key head: GPT builds one table of
@@ -565,9 +567,9 @@ class MultiHeadLatentAttention(Attention):
 
     def decode_step(self, q, c, k_rope, rho, visible=None):
         """One new token's attention over all S cached positions (visible: which of them it may
-        see, None for all), exact, without building any key. Head h's key at s is [c_s W_up,h^K | k_R,s] / rho_{h,s}, rho the RMS of that
-        concatenation, cached when s was new, so for the normalised, rotated query
-        q_h = [q_h^nope | q_h^R]
+        see, None for all), exact, without building any key. Head h's key at s is
+        [c_s W_up,h^K | k_R,s] / rho_{h,s}, rho the RMS of that concatenation, cached when s was
+        new, so for the normalised, rotated query q_h = [q_h^nope | q_h^R]
 
             score_{h,s} = [ (q_h^nope (W_up,h^K)^T) . c_s + q_h^R . k_R,s ] / rho_{h,s}
 
@@ -591,7 +593,7 @@ class MultiHeadLatentAttention(Attention):
     def load_head_kv_weights(self, W_K, W_V):
         # MHA2MLA (Ji et al., 2025) first uptrains the source with RoPE on a few frequencies only
         raise ValueError("MLA is not converted to: its keys' d_h position-free dims need keys that RoPE leaves "
-                         "alone, and MHA rotates every dim of its keys (docs/convert.md)")
+                         "alone, and per-head keys rotate every dim (docs/convert.md)")
 
 
 # The variants, by the name that GPTConfig.attn (--attn) takes: the only list of them
@@ -732,17 +734,23 @@ class GPT(nn.Module):
         return sum(math.prod(shape) for shape in self.blocks[0].attn.cache_shapes().values())
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, compile=False):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, compile=False,
+                 vocab_size=None):
         """idx (B, T) continued by max_new_tokens sampled tokens: (B, T + max_new_tokens)."""
-        return torch.cat([idx, *self.stream(idx, max_new_tokens, temperature, top_k, use_cache, compile)], dim=1)
+        new = self.stream(idx, max_new_tokens, temperature, top_k, use_cache, compile, vocab_size)
+        return torch.cat([idx, *new], dim=1)
 
     @torch.no_grad()
-    def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, compile=False):
+    def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, compile=False,
+               vocab_size=None):
         """Yield the max_new_tokens tokens (B, 1) that continue idx (B, T), one at a time, each as
         soon as it is drawn; temperature 0 is greedy. With the cache the prompt is read once
         (prefill) and then one token is fed per step; without it every step reads the whole
         sequence again. compile: the single-token steps run on fixed shapes (fixed_step), compiled
-        once by torch.compile, as CUDA graphs on a GPU."""
+        once by torch.compile, as CUDA graphs on a GPU. vocab_size: draw only ids below it, the
+        tokenizer's, where the model's vocabulary is padded past it (GPT-2's 50257 to 50304)."""
+        if compile and not use_cache:
+            raise ValueError("compile=True compiles the cached single-token step: it needs use_cache=True")
         if idx.size(1) + max_new_tokens > self.config.block_size:
             raise ValueError(f"prompt + max_new_tokens = {idx.size(1) + max_new_tokens} exceeds block_size = {self.config.block_size}")
         device = idx.device.type
@@ -758,6 +766,7 @@ class GPT(nn.Module):
                 caches[0].pos += 1  # the position every layer's fixed-shape cache shares
             else:
                 logits = self(idx[:, -1:], caches=caches)[0][:, -1]
+            logits = logits[:, :vocab_size]
             if temperature == 0:
                 next_token = logits.argmax(dim=-1, keepdim=True)
             else:

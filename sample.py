@@ -121,7 +121,7 @@ def main(argv=None):
         text = codecs.getincrementaldecoder("utf-8")(errors="replace")
         print(text.decode(tok.decode_bytes(prompt)), end="", flush=True)
         for token in model.stream(idx, args.max_new_tokens, args.temperature, args.top_k, not args.no_cache,
-                                  args.compile):
+                                  args.compile, tok.vocab_size):
             drawn += 1
             if token.item() == tok.eot_id:
                 break  # the document ends here: the tokens after it would start an unrelated one
@@ -130,8 +130,8 @@ def main(argv=None):
     seconds = time.perf_counter() - t0
     cache = ("no KV cache (--no_cache)" if args.no_cache else
              f"KV cache {size(model.kv_cache_bytes(1, seq_len, dtype))} ({dtype_name}, 1 x {seq_len} tokens)")
-    print(f"{args.num_samples} sample{'s' * (args.num_samples > 1)}, {drawn} tokens in {seconds:.1f} s: "
-          f"{drawn / seconds:.0f} tokens/s | {cache}")
+    print(f"{args.num_samples} sample{'s' * (args.num_samples > 1)}, {drawn} tokens in {seconds:.1f} s"
+          f"{' (compiling included)' if args.compile else ''}: {drawn / seconds:.0f} tokens/s | {cache}")
     return 0
 
 

@@ -237,16 +237,17 @@ def test_a_converted_run_shows_where_it_started(tmp_path, capsys):
     """A run with init_from gets its own label and its step-0 loss beside its last."""
     source = tmp_path / "out" / "mha" / "ckpt.pt"
     save_checkpoint(source, attn="mha", val_loss=3.0, val_bpb=0.9)
-    for name, attn in (("lrkv", dict(attn="lrkv")), ("again", dict(attn="mha"))):
+    for name, attn, init_from in (("lrkv", "lrkv", source), ("again", "mha", source), ("gone", "gqa", tmp_path / "gone.pt")):
         path = tmp_path / "converted" / name / "ckpt.pt"
-        save_checkpoint(path, val_loss=2.9, val_bpb=0.88, **attn,
+        save_checkpoint(path, val_loss=2.9, val_bpb=0.88, attn=attn,
                         log=[dict(step=0, val_loss=3.5, val_bpb=1.1), dict(step=5, loss=3.0, lr=0.01)])
         ckpt = torch.load(path, weights_only=True)
-        ckpt["config"]["init_from"] = str(source)
+        ckpt["config"]["init_from"] = str(init_from)
         torch.save(ckpt, path)
     analyze.main([str(tmp_path / "converted"), str(source)])
     runs = json.loads((tmp_path / "converted" / "analysis.json").read_text())["runs"]
-    assert [run["label"] for run in runs] == ["Standard MHA", "Standard MHA, uptrained", "LRKV (r=2), converted"]
-    assert [run["start"] for run in runs] == [None, dict(val_loss=3.5, val_bpb=1.1), dict(val_loss=3.5, val_bpb=1.1)]
+    assert [run["label"] for run in runs] == ["Standard MHA", "Standard MHA, uptrained", "LRKV (r=2), converted",
+                                              "GQA (2 KV heads), from a checkpoint"]
+    assert [run["start"] for run in runs] == [None] + [dict(val_loss=3.5, val_bpb=1.1)] * 3
     table = capsys.readouterr().out.splitlines()
     assert "val loss at step 0" in table[0] and table[3].split()[-7:-5] == ["3.500", "2.900"]

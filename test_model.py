@@ -310,6 +310,14 @@ def test_greedy_generation_is_the_same_with_and_without_cache(attn):
     assert torch.equal(model.generate(prompt, 12, temperature=1.0, top_k=1), cached)  # top-1 sampling is greedy
 
 
+def test_generation_draws_no_id_past_the_tokenizers_vocabulary():
+    """A vocabulary padded for fast matmuls (GPT-2's 50257 to 50304) has ids no tokenizer decodes."""
+    model = tiny_model("mha")
+    prompt = torch.randint(0, TINY.vocab_size, (4, 3))
+    assert model.generate(prompt, 20, temperature=5.0, vocab_size=7)[:, 3:].max() < 7
+    assert model.generate(prompt, 20, temperature=0, vocab_size=7)[:, 3:].max() < 7
+
+
 def test_generation_past_block_size_raises():
     model = tiny_model("mha")
     with pytest.raises(ValueError, match="block_size"):

@@ -80,7 +80,8 @@ def fake_stream(monkeypatch, tokens, before_each=lambda: None):
     the arguments of each call."""
     drawn, calls = [], []
 
-    def stream(self, idx, max_new_tokens, temperature, top_k, use_cache, compile):
+    def stream(self, idx, max_new_tokens, temperature, top_k, use_cache, compile, vocab_size):
+        assert vocab_size == BYTES.vocab_size
         calls.append((idx.tolist(), max_new_tokens, temperature, top_k, use_cache, compile))
         for token in tokens:
             before_each()

@@ -340,3 +340,13 @@ def test_a_bad_init_from_is_one_line_and_writes_nothing(problem, message, data_d
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
     assert ({p.name: p.read_bytes() for p in out.iterdir()} if out.exists() else None) == before
+
+
+def test_resume_reads_a_checkpoint_written_before_init_from_existed(data_dir, tmp_path):
+    """A checkpoint whose config lacks a later flag resumes as if that flag had its default."""
+    assert train.main(flags(data_dir=data_dir, out_dir=tmp_path, stop_after=STOP)) == 0
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    del ckpt["config"]["init_from"]
+    torch.save(ckpt, tmp_path / "ckpt.pt")
+    assert train.main(flags(data_dir=data_dir, out_dir=tmp_path) + ["--resume"]) == 0
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == STEPS

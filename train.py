@@ -245,7 +245,6 @@ def pick_device(name, local_rank):
     return torch.device("cuda", local_rank) if name == "cuda" else torch.device(name)
 
 
-
 # ---------------------------------------------------------------------------------------------
 # Flags and presets
 
@@ -637,7 +636,9 @@ def load_resume_checkpoint(cfg, model_config):
     if not path.exists():
         raise ConfigError(f"--resume: there is no {path} to resume from")
     ckpt, model = load_checkpoint(path)
-    saved = {**ckpt["model_args"], **{k: ckpt["config"][k] for k in RESUME_FLAGS}}
+    # a checkpoint from before a flag existed ran with its default
+    saved = {**ckpt["model_args"], **{k: ckpt["config"].get(k, TrainConfig.__dataclass_fields__[k].default)
+                                      for k in RESUME_FLAGS}}
     wanted = {**dataclasses.asdict(model_config), **{k: getattr(cfg, k) for k in RESUME_FLAGS}}
     changed = ", ".join(f"{k}={saved[k]!r} (flags: {wanted.get(k)!r})" for k in saved if saved[k] != wanted.get(k))
     if changed:
