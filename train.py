@@ -65,7 +65,7 @@ class TrainConfig:
     # system
     seed: int = 0
     device: str = "auto"  # auto: cuda, then mps, then cpu
-    dtype: str = "auto"  # bfloat16 (autocast) or float32; auto: bfloat16 on CUDA only
+    dtype: str = "auto"  # bfloat16 (autocast) or float32; auto: native_dtype's choice for the device
     compile: bool | None = None  # torch.compile; None: on CUDA only
 
     def __post_init__(self):
@@ -135,7 +135,8 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
     or from the weights of load_init_checkpoint, or (both None) from the start; the exit code."""
     meta, batches, val_tokens, bytes_per_token = data
     is_main, ddp = rank == 0, world_size > 1
-    dtype = cfg.dtype if cfg.dtype != "auto" else "bfloat16" if device.type == "cuda" else "float32"
+    native, why = native_dtype(device)
+    dtype = cfg.dtype if cfg.dtype != "auto" else str(native).removeprefix("torch.")
     compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
     if device.type == "cuda":
@@ -162,6 +163,8 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
     if is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         start_log(out_dir, step if resumed is not None else None)
+        ns = f", Newton-Schulz in {PRECISION_NAMES[optimizers[0].ns_dtype]}" if cfg.optimizer == "muon" else ""
+        print(f"precision: {'bf16 autocast' if dtype == 'bfloat16' else 'fp32'}{ns}: {why}", flush=True)
         n_params = raw_model.get_num_params()
         print(f"{model_config.attn}: {n_params / 1e6:.1f}M parameters, "
               f"{raw_model.kv_cache_elements_per_token()} KV cache elements per token per layer | "
@@ -243,6 +246,41 @@ def pick_device(name, local_rank):
     if name == "cuda" and not torch.cuda.is_available() or name == "mps" and not torch.backends.mps.is_available():
         raise ConfigError(f"--device={name}: not available on this machine")
     return torch.device("cuda", local_rank) if name == "cuda" else torch.device(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Precision: one policy for training, Muon, decoding and the benchmarks
+
+PRECISION_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def native_dtype(device):
+    """(dtype, why): bfloat16 where the device multiplies bf16 in hardware, float32 elsewhere.
+    The dtype that training autocasts to, Muon's Newton-Schulz runs in and decoding holds its
+    weights and KV cache in, unless a flag says otherwise. Where bf16 is emulated it is no saving:
+    on an AVX2 CPU a bf16 matmul runs 10-20x slower than fp32 (docs/benchmarks.md)."""
+    torch_device = torch.device(device)
+    if torch_device.type == "cuda":
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return torch.bfloat16, f"{torch.cuda.get_device_name(torch_device)} computes bf16"
+        return torch.float32, f"{torch.cuda.get_device_name(torch_device)} has no bf16 tensor cores"
+    if torch_device.type == "cpu":
+        capability = torch.backends.cpu.get_cpu_capability()
+        if cpu_has_bf16():
+            return torch.bfloat16, f"this CPU ({capability}) has bf16 instructions"
+        return torch.float32, f"this CPU ({capability}) has no bf16 matmul"
+    return torch.float32, f"bf16 on {torch_device.type} is not known to be native"
+
+
+def cpu_has_bf16():
+    """Whether this CPU multiplies bf16 in hardware: x86's AVX512-BF16 or AMX-BF16 or Arm's BF16
+    extension, as Linux lists them, and oneDNN, PyTorch's CPU matmul library, allowed to use them
+    (ONEDNN_MAX_CPU_ISA=AVX2 makes such a CPU compute as an AVX2 one does)."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:  # not Linux: no reliable way to tell, and fp32 is never emulated
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"}) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -398,7 +436,7 @@ class Muon(torch.optim.Optimizer):
 
         B <- mu B + (1 - mu) G
         U <- (1 - mu) G + mu B     (nesterov; else U <- B)
-        O <- NS5(U)                the quintic Newton-Schulz iteration below, in bf16
+        O <- NS5(U)                the quintic Newton-Schulz iteration below, in ns_dtype
         W <- (1 - lr wd) W - lr sqrt(max(1, rows / cols)) O
 
     Under torch.distributed every rank holds the same gradients (DDP averaged them), each rank
@@ -406,13 +444,19 @@ class Muon(torch.optim.Optimizer):
     new weights, so that the Newton-Schulz work divides among the ranks. Every rank still moves
     every momentum buffer (elementwise, cheap next to Newton-Schulz), so that rank 0's state_dict
     holds the whole state and a resumed run goes on exactly. The state is torch.optim.Muon's, one
-    momentum_buffer per matrix, so its checkpoints resume here."""
+    momentum_buffer per matrix, so its checkpoints resume here.
 
-    def __init__(self, params, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True):
+    ns_dtype: what Newton-Schulz runs in; None: native_dtype's choice for the parameters' device.
+    torch.optim.Muon runs it in bf16 everywhere; the iteration only needs the update's direction
+    to a few bits, so fp32 changes no result that matters and spares a CPU without bf16
+    instructions its 10-20x slower emulated bf16 matmuls."""
+
+    def __init__(self, params, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_dtype=None):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov))
         params = [p for group in self.param_groups for p in group["params"]]
         if any(p.ndim != 2 for p in params):
             raise ValueError("Muon: every parameter must be a matrix")
+        self.ns_dtype = ns_dtype or native_dtype(params[0].device)[0]
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         # eager on a CPU, where compiling (a C++ compiler, tens of seconds) costs more than it saves
         self.update = torch.compile(muon_update) if params[0].is_cuda else muon_update
@@ -436,7 +480,7 @@ class Muon(torch.optim.Optimizer):
                 # lr as a 0-d tensor: a float that the schedule moves every step would recompile the graph
                 lr = torch.tensor(group["lr"], dtype=torch.float64)
                 new = (self.update(params[mine], grads[mine], bufs[mine], lr, group["weight_decay"],
-                                   group["momentum"], group["nesterov"])
+                                   group["momentum"], group["nesterov"], self.ns_dtype)
                        if params[mine] else params[0].new_empty(0, *shape))
                 if self.world_size > 1:
                     padded = torch.cat([new, new.new_zeros(n - len(new), *shape)])
@@ -445,12 +489,13 @@ class Muon(torch.optim.Optimizer):
                 torch._foreach_copy_(params, list(new[:len(params)]))
 
 
-def muon_update(params, grads, bufs, lr, weight_decay, momentum, nesterov):
+def muon_update(params, grads, bufs, lr, weight_decay, momentum, nesterov, ns_dtype):
     """Muon's new values for matrices of one shape, stacked, from their moved momentum buffers.
-    The iteration is torch.optim.Muon's: its coefficients, eps and 5 steps, in bf16, on the
-    transpose of a tall matrix, the same fused multiply-adds (addmm there, baddbmm here)."""
+    The iteration is torch.optim.Muon's: its coefficients, eps and 5 steps (in ns_dtype, bf16
+    there), on the transpose of a tall matrix, the same fused multiply-adds (addmm there, baddbmm
+    here)."""
     G, B, W = torch.stack(grads), torch.stack(bufs), torch.stack(params)
-    X = (G.lerp(B, momentum) if nesterov else B).bfloat16()
+    X = (G.lerp(B, momentum) if nesterov else B).to(ns_dtype)
     rows, cols = W.shape[-2:]
     if rows > cols:
         X = X.mT
@@ -460,7 +505,7 @@ def muon_update(params, grads, bufs, lr, weight_decay, momentum, nesterov):
         X = torch.baddbmm(X, torch.baddbmm(A, A, A, beta=-4.7750, alpha=2.0315), X, beta=3.4445)
     if rows > cols:
         X = X.mT
-    return W.mul_(1 - lr * weight_decay).sub_(X.float() * (lr * max(1, rows / cols) ** 0.5))
+    return W.mul_(1 - lr * weight_decay).sub_(X.to(W.dtype) * (lr * max(1, rows / cols) ** 0.5))
 
 
 def configure_optimizers(model, cfg):
