@@ -26,7 +26,7 @@ FLAGS_mqa := --attn=mqa
 FLAGS_mla := --attn=mla
 FLAGS_gqa := --attn=gqa
 
-.PHONY: demo docs test gpu-demo convert convert-seed
+.PHONY: demo demo-steps docs test gpu-demo convert convert-seed
 .DELETE_ON_ERROR:
 
 $(VENV)/installed: requirements.txt requirements-fineweb.txt requirements-dev.txt
@@ -49,7 +49,12 @@ $(DEMO)/%/trained: $(DEMO_DATA)
 	@echo "$*: $$(tail -n 1 $(@D)/train.out)"
 	@touch $@
 
-demo: $(DEMO_DATA)
+# make demo times itself, the virtual environment included when it has to be made
+demo:
+	@start=$$(date +%s); $(MAKE) --no-print-directory demo-steps && \
+		echo "make demo took $$(( $$(date +%s) - start )) s"
+
+demo-steps: $(DEMO_DATA)
 	$(MAKE) --no-print-directory -j$(JOBS) $(TRAINED)
 	$(PY) analyze.py $(CKPTS) --out_dir=$(DEMO)
 	@for run in $(RUNS); do echo; echo "$$run, greedy:"; \

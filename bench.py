@@ -1,19 +1,22 @@
 """
 What each attention variant costs, all at one configuration, in one process.
 
-Training: forward, backward and train.py's optimizer step on random tokens (on a GPU with bf16
-autocast and torch.compile), timed after warm-up, median of several steps: ms, tokens/s, MFU and
-the time relative to MHA.
+Precision is train.native_dtype's: bf16 where the device multiplies it in hardware (a GPU, a CPU
+with AMX or AVX512-BF16), fp32 elsewhere; the first line says which and why.
+
+Training: forward, backward and train.py's optimizer step on random tokens (bf16 autocast where
+bf16 is native; torch.compile on a GPU), timed after warm-up, median of several steps: ms,
+tokens/s, MFU and the time relative to MHA.
 
 Decoding: prefill a prompt, then feed one token at a time until the KV cache, sized to the
 context length, is full, every variant in turn over several rounds (bench_decode): ms per new
 token back to back and a step alone, tokens/s, the MiB its buffers hold and their share of
 MHA's. At the shortest context, generate() with and without the cache shows what the cache
-buys. Decoding runs in bf16 on a GPU, weights and cache alike, as a server would hold them
-(autocast would re-cast every weight at every token), and in fp32 on a CPU. Eager, the caches
-grow by one position a step and on a GPU every step pays its kernel launches; compiled, the
-step runs on fixed shapes (model.compiled_step: the whole cache under a position mask), as one
-CUDA graph on a GPU.
+buys. Decoding holds weights and cache alike in the native dtype, as a server would (autocast
+would re-cast every weight at every token). Eager, the caches grow by one position a step and on
+a GPU every step pays its kernel launches; compiled, the step runs on fixed shapes
+(model.compiled_step: the whole cache under a position mask), as one CUDA graph on a GPU; the
+seconds its compiling takes are reported apart.
 
     python bench.py --preset=cpu
     python bench.py --preset=128m --device=cuda --check --out=bench_gpu.json
@@ -40,18 +43,19 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from model import ATTENTION, GPT, GPTConfig, compiled_step, fix
 from prepare_data import atomic_open
-from train import TrainConfig, configure_optimizers, optimizer_step, peak_flops
+from train import PRECISION_NAMES, TrainConfig, configure_optimizers, native_dtype, optimizer_step, peak_flops
 
 PRESETS = {
     # The paper's 128M model and batch: 16 x 2048 tokens a step. Decoding a batch of 16 makes
     # reading the cache a visible share of a step next to the kernel launches.
     "128m": dict(model={}, batch_size=16, seq_len=2048, warmup=3, steps=10,
                  decode_batch=16, contexts=(512, 2048), new_tokens=32),
-    # The 128M's layer as it is (6 heads x 128, r = 46, d_c = 128 + 64) and its vocabulary per
-    # layer (50304 / 12 ~ 8192 / 2), so that each variant's projections weigh what they weigh at
-    # 128M: about a minute and a half on 2 cores. Muon's share of a step is not the 128M's: its
-    # Newton-Schulz iterations cost the same at 1,024 tokens a step as at 32,768.
-    "cpu": dict(model=dict(n_layer=2, vocab_size=8192), batch_size=1, seq_len=1024, warmup=1, steps=5,
+    # One layer of the 128M as it is (6 heads x 128, r = 46, d_c = 128 + 64) and its vocabulary
+    # per layer (50304 / 12 ~ 4096), so that each variant's projections weigh what they weigh at
+    # 128M: under 3 minutes on 2 cores, compiling included (docs/benchmarks.md). Muon's share of
+    # a step is not the 128M's: its Newton-Schulz iterations cost the same at 1,024 tokens a step
+    # as at 32,768.
+    "cpu": dict(model=dict(n_layer=1, vocab_size=4096), batch_size=1, seq_len=1024, warmup=1, steps=3,
                 decode_batch=1, contexts=(512, 2048), new_tokens=32),
     # For the test: seconds on a CPU.
     "tiny": dict(model=dict(block_size=64, vocab_size=256, n_layer=2, n_head=4, n_embd=64, head_dim=16,
@@ -163,7 +167,7 @@ def sdpa_backend_ms(config, preset, device):
     return result
 
 
-def bench_train(config, preset, device, compile, profile):
+def bench_train(config, preset, device, dtype, compile, profile):
     """train.py's step without its data: forward and backward, then the gradient clip and the
     paper's optimisers, whose share is timed too (it does not grow with the batch). With profile,
     on a GPU, also which attention kernels the step runs (sdpa_in_use)."""
@@ -174,7 +178,7 @@ def bench_train(config, preset, device, compile, profile):
     model = GPT(config).to(device)
     optimizers = configure_optimizers(model, cfg)
     forward = torch.compile(model) if compile else model
-    autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else nullcontext()
+    autocast = torch.autocast(device.type, torch.bfloat16) if dtype == torch.bfloat16 else nullcontext()
     B, T = preset["batch_size"], preset["seq_len"]
     x, y = torch.randint(config.vocab_size, (2, B, T), device=device)
     steps, optimizer_times = [], []
@@ -244,9 +248,10 @@ def bench_decode(configs, preset, device, dtype, compiled, measured=lambda rows:
         for attn, (caches, _, _, alone, back_to_back) in state.items():
             ms = 1000 * statistics.median(back_to_back)
             mib = sum(buf.nbytes for cache in caches for buf in cache.buffers()) / MIB
+            compiled_ms, compile_s = fixed.get(attn, (None, None))
             rows[attn].append(dict(context=L, ms_per_token=ms, tokens_per_s=B * 1000 / ms,
                                    step_alone_ms_per_token=1000 * statistics.median(alone), cache_mib=mib,
-                                   compiled_ms_per_token=fixed.get(attn)))
+                                   compiled_ms_per_token=compiled_ms, compile_s=compile_s))
         del state
         measured(rows)
     # generate() prefills and samples as a user would: per new token, prefill included, and (from
@@ -267,17 +272,22 @@ def bench_decode(configs, preset, device, dtype, compiled, measured=lambda rows:
 
 
 def compiled_rounds(models, state, n, device):
-    """{variant: ms per token} of the compiled fixed-shape step over bench_decode's positions: the
-    caches fixed at the rounds' start, two steps to compile (and on a GPU record the CUDA graph),
-    then DECODE_ROUNDS interleaved rounds of n steps back to back, the median round."""
+    """{variant: (ms per token, s to compile)} of the compiled fixed-shape step over bench_decode's
+    positions: the caches fixed at the rounds' start, two steps to compile (and on a GPU record
+    the CUDA graph; the seconds of the first, less a step, are the compile time), then
+    DECODE_ROUNDS interleaved rounds of n steps back to back, the median round."""
     torch._dynamo.reset()  # a graph per variant and context: more than dynamo keeps for one function
-    times = {}
+    times, compile_s = {}, {}
     for attn, (caches, start, token, _, _) in state.items():
         for cache in caches:
             cache.pos = start
         fix(caches)
+        seconds = []
         for _ in range(DECODE_WARMUP):
+            t0 = clock(device)
             compiled_step(models[attn], token, caches)
+            seconds.append(clock(device) - t0)
+        compile_s[attn] = seconds[0] - seconds[-1]
         times[attn] = []
     for _ in range(DECODE_ROUNDS):
         for attn, (caches, start, token, _, _) in state.items():
@@ -287,7 +297,7 @@ def compiled_rounds(models, state, n, device):
                 token = compiled_step(models[attn], token, caches).argmax(-1, keepdim=True)
                 caches[0].pos += 1
             times[attn].append((clock(device) - t0) / n)
-    return {attn: 1000 * statistics.median(t) for attn, t in times.items()}
+    return {attn: (1000 * statistics.median(t), compile_s[attn]) for attn, t in times.items()}
 
 
 def save(result, path):
@@ -316,14 +326,16 @@ def markdown(result):
                       f"cache up to the context, every variant in turn in each of {de['rounds']} rounds; ms/token: back to "
                       "back, one sync, median round; a step alone: synced before and after, median step", "",
                   "| variant | context | ms/token | tokens/s | ms a step alone | compiled ms/token | x MHA compiled | "
-                  "cache MiB | % of MHA cache | x MHA time |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "compiling, s | cache MiB | % of MHA cache | x MHA time |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for name, v in variants.items():
             for d in v["decode"]:
                 compiled = "-" if d["compiled_ms_per_token"] is None else f"{d['compiled_ms_per_token']:.2f}"
                 x_compiled = "-" if d["compiled_x_mha"] is None else f"{d['compiled_x_mha']:.2f}"
+                compile_s = "-" if d["compile_s"] is None else f"{d['compile_s']:.1f}"
                 lines.append(f"| {name} | {d['context']} | {d['ms_per_token']:.2f} | {d['tokens_per_s']:,.0f} | "
-                             f"{d['step_alone_ms_per_token']:.2f} | {compiled} | {x_compiled} | {d['cache_mib']:.1f} | "
+                             f"{d['step_alone_ms_per_token']:.2f} | {compiled} | {x_compiled} | {compile_s} | "
+                             f"{d['cache_mib']:.1f} | "
                              f"{d['cache_pct_mha']:.1f} | {d['x_mha']:.2f} |")
         lines += ["", f"generate() with and without the cache: batch {de['batch_size']}, {de['new_tokens']} new tokens "
                       f"after {de['contexts'][0] - de['new_tokens']}, ms per new token, prefill included, and per step "
@@ -373,7 +385,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     preset, device = PRESETS[args.preset], torch.device(args.device)
     compile = device.type == "cuda" if args.compile is None else args.compile
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype, why = native_dtype(device)
+    precision = PRECISION_NAMES[dtype]
+    log(f"precision: {precision} (training autocast, Newton-Schulz, decoding): {why}")
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # as train.py: TF32 where autocast leaves fp32
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
@@ -381,7 +395,7 @@ def main(argv=None):
     result = dict(
         preset=args.preset, date=datetime.now(timezone.utc).isoformat(timespec="seconds"), device=name, torch=torch.__version__, config={k: v for k, v in asdict(GPTConfig(**preset["model"])).items() if k != "attn"},
         train=dict(batch_size=preset["batch_size"], seq_len=preset["seq_len"], warmup=preset["warmup"], steps=preset["steps"],
-                   dtype="bf16 autocast" if device.type == "cuda" else "fp32", compile=compile),
+                   dtype=f"{precision} autocast" if dtype == torch.bfloat16 else precision, compile=compile),
         decode=dict(batch_size=preset["decode_batch"], contexts=list(preset["contexts"]), new_tokens=preset["new_tokens"],
                     rounds=DECODE_ROUNDS, dtype=str(dtype).removeprefix("torch.")),
         variants={},
@@ -399,7 +413,7 @@ def main(argv=None):
             log(f"{attn}: flash attention {ch['flash_error'] or 'ok'}; cached vs full logits {ch['decode_rel_err']:.1e}")
         if args.only != "decode":
             log(f"{attn}: training")
-            row["train"] = bench_train(config, preset, device, compile, profile=args.check)
+            row["train"] = bench_train(config, preset, device, dtype, compile, profile=args.check)
             row["train"]["x_mha"] = row["train"]["ms_per_step"] / result["variants"][BASELINE]["train"]["ms_per_step"]
             t = row["train"]
             log(f"{attn}: {t['ms_per_step']:.1f} ms/step ({t['optimizer_ms']:.1f} optimizer), {t['tokens_per_s']:,.0f} tokens/s"
@@ -428,13 +442,14 @@ def main(argv=None):
                 d["compiled_x_mha"] = (d["compiled_ms_per_token"] / m["compiled_ms_per_token"]
                                        if d["compiled_ms_per_token"] is not None else None)
             log(f"{attn}: decoding " + ", ".join(f"{d['ms_per_token']:.2f} ms/token ({d['step_alone_ms_per_token']:.2f} "
-                                                 f"a step alone" + (f", compiled {d['compiled_ms_per_token']:.2f}"
+                                                 f"a step alone" + (f", compiled {d['compiled_ms_per_token']:.2f} "
+                                                                     f"after {d['compile_s']:.1f} s compiling"
                                                                      if d["compiled_ms_per_token"] else "")
                                                  + f") at {d['context']}" for d in rows)
                 + f"; without the cache {uncached['speedup']:.1f}x the time")
         save(result, args.out)
     print(markdown(result))
-    log(f"wrote {args.out}")
+    log(f"wrote {args.out}; {time.perf_counter() - T0:.0f} s in all")
 
 
 if __name__ == "__main__":

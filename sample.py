@@ -19,7 +19,7 @@ import time
 import torch
 
 from prepare_data import get_tokenizer
-from train import ConfigError, load_checkpoint, pick_device
+from train import ConfigError, load_checkpoint, native_dtype, pick_device
 
 
 class Parser(argparse.ArgumentParser):
@@ -68,6 +68,14 @@ def encode_prompt(prompt, tok):
     return [tok.eot_id, *tok.encode_batch([prompt])[0].tolist()]
 
 
+def decoding_dtype(ckpt, device):
+    """The precision policy (train.native_dtype) for decoding, but float32 for a run trained in
+    float32 on purpose: its logits are then the ones training evaluated."""
+    if ckpt.get("config", {}).get("dtype") == "float32":
+        return torch.float32
+    return native_dtype(device)[0]
+
+
 def size(n_bytes):
     return f"{n_bytes / 2**20:.1f} MiB" if n_bytes >= 2**20 else f"{n_bytes / 2**10:.1f} KiB"
 
@@ -87,7 +95,8 @@ def main(argv=None):
     parser.add_argument("--device", default="auto", choices=("auto", "cuda", "mps", "cpu"),
                         help="auto: cuda, else mps, else cpu")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                        help="auto: bfloat16 on cuda, else float32")
+                        help="weights and KV cache; auto: float32 for a run trained in it by choice (--dtype=float32, "
+                             "as config/demo.py), else bfloat16 where the device computes it natively")
     parser.add_argument("--no_cache", action="store_true",
                         help="decode without the KV cache: every step reads the whole sequence again")
     parser.add_argument("--compile", action="store_true",
@@ -108,8 +117,8 @@ def main(argv=None):
         print(f"sample.py: {e}", file=sys.stderr)
         return 2
 
-    dtype_name = args.dtype if args.dtype != "auto" else "bfloat16" if device.type == "cuda" else "float32"
-    dtype = getattr(torch, dtype_name)
+    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else decoding_dtype(ckpt, device)
+    dtype_name = str(dtype).removeprefix("torch.")
     model.to(dtype).eval()
     # seeded after loading, whose model init draws from the RNG: seed s draws what generate() does
     # after torch.manual_seed(s)

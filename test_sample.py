@@ -26,7 +26,8 @@ SEPARATOR = "\n---------------\n"
 @pytest.fixture(scope="module")
 def ckpt(data_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
-    assert train.main(flags(data_dir=data_dir, out_dir=out, max_steps=4)) == 0
+    # float32 by choice, as config/demo.py: sample.py then decodes in float32, as `model` below does
+    assert train.main(flags(data_dir=data_dir, out_dir=out, max_steps=4, dtype="float32")) == 0
     return out / "ckpt.pt"
 
 
@@ -153,6 +154,13 @@ def bad_inputs(ckpt, tmp_path):
         ([ckpt, f"--device={unavailable}"], f"--device={unavailable}: not available on this machine"),
         ([ckpt, "--compile", "--no_cache"], "--compile compiles the cached single-token step"),
     ]
+
+
+def test_auto_dtype_is_the_precision_policy_unless_the_run_chose_float32(ckpt):
+    saved = torch.load(ckpt, weights_only=True)
+    assert sample.decoding_dtype(saved, torch.device("cpu")) == torch.float32
+    saved["config"]["dtype"] = "auto"
+    assert sample.decoding_dtype(saved, torch.device("cpu")) == train.native_dtype("cpu")[0]
 
 
 def test_bad_input_is_one_line_and_exit_code_2(capsys, ckpt, tmp_path):
