@@ -12,7 +12,7 @@ what decoding adds and by its conversion from per-head projections; the GPT; the
 the per-layer memory that decoding fills (Attention.cache_shapes says what goes in it).
 Training runs one F.scaled_dot_product_attention call per layer over full per-head keys and
 values. Decoding caches only what each variant needs; LRKV and MLA rebuild keys from it only
-for several tokens at once, and a single new token goes through their exact decode_step,
+for several tokens at once, and a single new token goes through their exact single-token step,
 which builds no cached position's key.
 """
 
@@ -314,7 +314,7 @@ class LowRankKVAttention(Attention):
     so K_h = X W_shared^K + (X U_h^K)(B_h^K)^T = K_shared + R_h^K (B_h^K)^T, and V_h likewise.
     Training builds every head's K_h and V_h and attends as MHA does. A decoder caches K_shared,
     V_shared (d_h each) and every head's R_h^K, R_h^V (r each), the paper's 2 d_h + 2 H r per
-    token, plus each head's key RMS (H numbers, +0.7% at 128M; see decode_step). The B_h are
+    token, plus each head's key RMS (H numbers, +0.7% at 128M; see key_scores). The B_h are
     weights, not cache. r = 0 would be MQA; r = d_h gives each head a full-rank residual."""
 
     def __init__(self, config):
@@ -347,7 +347,7 @@ class LowRankKVAttention(Attention):
         # ||U_h B_h^T||_F ~ sqrt(d d_h r) / sqrt(d) * 0.1/sqrt(r) = 0.1 sqrt(d_h) ~ 0.1 ||W_shared||_F,
         # the paper's starting residual.
         super().reset_parameters()
-        for factor in (self.B_k, self.B_v):
+        for factor in self.parameters(recurse=False):  # B_k, B_v: the only parameters outside an nn.Linear
             nn.init.normal_(factor, std=0.1 / math.sqrt(self.lrkv_rank))
 
     def forward(self, x, rope, cache=None):
@@ -369,46 +369,60 @@ class LowRankKVAttention(Attention):
         """Every head's V_h = V_shared + R_h^V (B_h^V)^T: (B, S, d_h), (B, S, H, r) -> (B, S, H, d_h)."""
         return v_shared.unsqueeze(2) + self.residual(r_v, self.B_v)
 
-    # decoding
+    # decoding: the key half (key_shapes, key_entries, keys, key_scores) and the value half
+    # (value_shapes, value_entries, values, attend_values) each cache and read entries of their
+    # own, so that a variant keeping one half of LRKV overrides only the other's methods
+    # (test_variant.py keeps the keys and gives every head MQA's shared value)
 
     def cache_shapes(self):
-        return {
-            "k_shared": (self.head_dim,), "v_shared": (self.head_dim,),
-            "r_k": (self.n_head, self.lrkv_rank), "r_v": (self.n_head, self.lrkv_rank), "rho": (self.n_head,),
-        }
+        return {**self.key_shapes(), **self.value_shapes()}
 
     def decode(self, x, rope, cache):
-        """forward with a cache. The QK norm divides K_h by its RMS rho_h, which is cached, so that
-        Rot_s(norm(K_h)) = (Rot_s K_shared + Rot_s(R_h^K (B_h^K)^T)) / rho_h, rotation being linear."""
-        B, T, _ = x.shape
+        """forward with a cache: the new tokens' key and value entries appended, then one new
+        token's attention through key_scores and attend_values, without building any cached
+        position's key or value, or several tokens' through every head's keys and values."""
         q = self.queries(x, rope)
-        k_shared, v_shared = self.W_shared_k(x), self.W_shared_v(x)
-        r_k = self.U_k(x).view(B, T, self.n_head, self.lrkv_rank)
-        r_v = self.U_v(x).view(B, T, self.n_head, self.lrkv_rank)
-        res_k = self.residual(r_k, self.B_k)  # (B, T, H, d_h): the new tokens' R_h^K (B_h^K)^T
-        rho = rms(k_shared.unsqueeze(2) + res_k)  # (B, T, H), stored in the cache's dtype like the keys
-        k_shared = apply_rope(k_shared.unsqueeze(2), rope).squeeze(2)  # (B, T, d_h)
-        k_shared, v_shared, r_k, r_v, rho = cache.update(k_shared=k_shared, v_shared=v_shared, r_k=r_k, r_v=r_v, rho=rho)
-        S = v_shared.size(1)
-        if T == 1:
-            visible = cache.visible() if cache.fixed else None
-            y_shared, y_res = self.decode_step(q, k_shared, v_shared, r_k, r_v, rho, cache.rope[:S], visible)
-            # eq. 7: a_h V_h = a_h V_shared + (a_h R_h^V) (B_h^V)^T, with B_h^V applied once to the result
-            return self.project_out(y_shared + self.residual(y_res, self.B_v))
-        # A prompt or a chunk after a prefix: every head's keys and values at every position (the
-        # new tokens' key residuals are built already), q, k and v d_h wide as in training. Eq. 7's
+        keys, values = self.key_entries(x, rope), self.value_entries(x)
+        cached = cache.update(**keys, **values)
+        keys, values = cached[:len(keys)], cached[len(keys):]
+        S = cached[0].size(1)
+        if x.size(1) == 1:
+            scores = self.key_scores(q, *keys, cache.rope[:S])  # (B, H, S)
+            if cache.fixed:  # a fixed-shape cache: its unwritten positions (rho 0) are never seen
+                scores = scores.masked_fill(~cache.visible(), float("-inf"))
+            a = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # (B, H, S)
+            return self.project_out(self.attend_values(a, *values))
+        # A prompt or a chunk after a prefix: q, k and v d_h wide as in training. Eq. 7's
         # [V_shared | R_h^V] is d_h + r wide: flash attention refuses a v wider than q and k, and
         # at 128M's 174 so does every fast kernel, which leaves PyTorch's math one (all T x S
         # scores at once). Building V_h costs S H r d_h multiply-adds, as rebuilding the keys does.
-        res_k = torch.cat((self.residual(r_k[:, :S - T], self.B_k), res_k), dim=1)
-        k = (k_shared.unsqueeze(2) + apply_rope(res_k, cache.rope[:S])) / rho.unsqueeze(-1)
-        return self.project_out(self.attend(q, k, self.values(v_shared, r_v)))
+        return self.project_out(self.attend(q, self.keys(*keys, cache.rope[:S]), self.values(*values)))
 
-    def decode_step(self, q, k_shared, v_shared, r_k, r_v, rho, rope, visible=None):
-        """One new token's attention over all S cached positions (rope: their rows of the RoPE
-        table; visible: which of them it may see, None for all), exact, without building any
-        per-head key. Head h's key at s is Rot_s(K_s + B_h r_{h,s}) / rho_{h,s} (K_h, then the QK
-        norm and RoPE; B_h = B_h^K, r = R^K), so for the normalised, rotated query q_h
+    # the key half
+
+    def key_shapes(self):
+        return {"k_shared": (self.head_dim,), "r_k": (self.n_head, self.lrkv_rank), "rho": (self.n_head,)}
+
+    def key_entries(self, x, rope):
+        """The new tokens' rotated K_shared, R_h^K and rho_h, the RMS of K_h that the QK norm
+        divides by: Rot_s(norm(K_h)) = (Rot_s K_shared + Rot_s(R_h^K (B_h^K)^T)) / rho_h, rotation
+        being linear. rho is stored in the cache's dtype, like the keys."""
+        B, T, _ = x.shape
+        k_shared = self.W_shared_k(x)  # (B, T, d_h)
+        r_k = self.U_k(x).view(B, T, self.n_head, self.lrkv_rank)  # (B, T, H, r)
+        rho = rms(k_shared.unsqueeze(2) + self.residual(r_k, self.B_k))  # (B, T, H)
+        return {"k_shared": apply_rope(k_shared.unsqueeze(2), rope).squeeze(2), "r_k": r_k, "rho": rho}
+
+    def keys(self, k_shared, r_k, rho, rope):
+        """Every head's normalised, rotated key at all S cached positions (rope: their rows of the
+        RoPE table), as training's: (B, S, H, d_h)."""
+        return (k_shared.unsqueeze(2) + apply_rope(self.residual(r_k, self.B_k), rope)) / rho.unsqueeze(-1)
+
+    def key_scores(self, q, k_shared, r_k, rho, rope):
+        """One new token's attention scores over all S cached positions (rope: their rows of the
+        RoPE table), the softmax's input (B, H, S), exact, without building any per-head key.
+        Head h's key at s is Rot_s(K_s + B_h r_{h,s}) / rho_{h,s} (K_h, then the QK norm and RoPE;
+        B_h = B_h^K, r = R^K), so for the normalised, rotated query q_h
 
             score_{h,s} = [ q_h . Rot_s(K_s) + (B_h^T Rot_s^T q_h) . r_{h,s} ] / rho_{h,s}
 
@@ -425,39 +439,59 @@ class LowRankKVAttention(Attention):
         matrix built from q and B^K (a batch's matrices side by side): one GEMM, the rebuild's
         S H r d_h multiply-adds without its (S, H, d_h) tensors and their norm and rotation. No
         exact form does less with this cache: each score needs a d_h-wide rotated residual key
-        of which the cache holds r numbers. Values: eq. 7, a_h [V_shared | R_h^V], as two
-        products so that V_shared is never copied per head."""
+        of which the cache holds r numbers."""
         H, d_h, r, half = self.n_head, self.head_dim, self.lrkv_rank, self.head_dim // 2
-        q = q[:, 0] / math.sqrt(d_h)  # (B, H, d_h), the softmax's scale taken in
-        B, S = q.size(0), k_shared.size(1)
-        q1, q2 = q.view(B, H, 2, half).permute(2, 3, 0, 1).unsqueeze(-1)  # (d_h/2, B, H, 1): q_i, q_i'
-        Bk1, Bk2 = self.B_k.view(H, 2, half, r).permute(1, 2, 0, 3).unsqueeze(2)  # (d_h/2, 1, H, r): B_h[i], B_h[i']
-        M = torch.stack((q1 * Bk1 + q2 * Bk2, q1 * Bk2 - q2 * Bk1))  # (2, d_h/2, B, H, r): cos, sin terms
-        w = rope.to(q.dtype) @ M.view(d_h, B * H * r)  # (S, B H r): B_h^T Rot_s^T q_h, one GEMM for the batch
-        residual_term = torch.linalg.vecdot(w.view(S, B, H, r).transpose(0, 1), r_k).transpose(1, 2)  # (B, H, S)
-        scores = torch.baddbmm(residual_term, q, k_shared.transpose(1, 2)) / rho.transpose(1, 2)  # (B, H, S)
-        if visible is not None:  # a fixed-shape cache: its unwritten positions (rho 0) are never seen
-            scores = scores.masked_fill(~visible, float("-inf"))
-        a = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # (B, H, S)
-        y_shared = a @ v_shared  # (B, H, d_h)
-        y_res = torch.einsum("bhs,bshr->bhr", a, r_v)  # (B, H, r)
-        return y_shared.unsqueeze(1), y_res.unsqueeze(1)
+        q = q[:, 0] / math.sqrt(d_h)  # (N, H, d_h), the softmax's scale taken in
+        N, S = q.size(0), k_shared.size(1)  # N the batch size: B is B_h here
+        # dims i and i' = i + d_h/2 of q_h, and rows i and i' of B_h
+        q1, q2 = q.view(N, H, 2, half).permute(2, 3, 0, 1).unsqueeze(-1)  # (d_h/2, N, H, 1)
+        Bk1, Bk2 = self.B_k.view(H, 2, half, r).permute(1, 2, 0, 3).unsqueeze(2)  # (d_h/2, 1, H, r)
+        M = torch.stack((q1 * Bk1 + q2 * Bk2, q1 * Bk2 - q2 * Bk1))  # (2, d_h/2, N, H, r): cos, sin terms
+        w = rope.to(q.dtype) @ M.view(d_h, N * H * r)  # (S, N H r): B_h^T Rot_s^T q_h, one GEMM for the batch
+        w = w.view(S, N, H, r).transpose(0, 1)  # (N, S, H, r)
+        residual_term = torch.linalg.vecdot(w, r_k).transpose(1, 2)  # (N, H, S)
+        return torch.baddbmm(residual_term, q, k_shared.transpose(1, 2)) / rho.transpose(1, 2)
+
+    # the value half
+
+    def value_shapes(self):
+        return {"v_shared": (self.head_dim,), "r_v": (self.n_head, self.lrkv_rank)}
+
+    def value_entries(self, x):
+        """The new tokens' V_shared (B, T, d_h) and R_h^V (B, T, H, r)."""
+        B, T, _ = x.shape
+        return {"v_shared": self.W_shared_v(x), "r_v": self.U_v(x).view(B, T, self.n_head, self.lrkv_rank)}
+
+    def attend_values(self, a, v_shared, r_v):
+        """One new token's output (B, 1, H, d_h) from its attention a (B, H, S) over the cached
+        values, by eq. 7: a_h V_h = a_h V_shared + (a_h R_h^V) (B_h^V)^T, as two products so that
+        V_shared is never copied per head, B_h^V applied once, to the result."""
+        y_shared = (a @ v_shared).unsqueeze(1)  # (B, 1, H, d_h)
+        y_res = torch.einsum("bhs,bshr->bhr", a, r_v).unsqueeze(1)  # (B, 1, H, r)
+        return y_shared + self.residual(y_res, self.B_v)
 
     # conversion
 
     def head_kv_weights(self):
+        return (self.head_weights(self.W_shared_k, self.U_k, self.B_k),
+                self.head_weights(self.W_shared_v, self.U_v, self.B_v))
+
+    def head_weights(self, W_shared, U, factor):
+        """Every head's W_shared + B_h U_h, one half's (H, d_h, d)."""
         H, d_h, r = self.n_head, self.head_dim, self.lrkv_rank
-        return tuple(W_shared.weight + torch.einsum("hdr,hrc->hdc", B.view(H, d_h, r), U.weight.view(H, r, -1))
-                     for W_shared, U, B in ((self.W_shared_k, self.U_k, self.B_k), (self.W_shared_v, self.U_v, self.B_v)))
+        return W_shared.weight + torch.einsum("hdr,hrc->hdc", factor.view(H, d_h, r), U.weight.view(H, r, -1))
 
     def load_head_kv_weights(self, W_K, W_V):
         """W_shared = the heads' mean, U_h B_h^T = the rank-r truncated SVD of W_h - W_shared
         (shared_plus_low_rank), for keys and values alike. With r = d_h it is every head exactly."""
-        for W_shared, U, B, heads in ((self.W_shared_k, self.U_k, self.B_k, W_K), (self.W_shared_v, self.U_v, self.B_v, W_V)):
-            mean, B_h, U_h, _ = shared_plus_low_rank(heads.double(), self.lrkv_rank)
-            W_shared.weight.copy_(mean)
-            U.weight.copy_(U_h.flatten(0, 1))
-            B.copy_(B_h.flatten(0, 1))
+        self.load_head_weights(W_K, self.W_shared_k, self.U_k, self.B_k)
+        self.load_head_weights(W_V, self.W_shared_v, self.U_v, self.B_v)
+
+    def load_head_weights(self, heads, W_shared, U, factor):
+        mean, B_h, U_h, _ = shared_plus_low_rank(heads.double(), self.lrkv_rank)
+        W_shared.weight.copy_(mean)
+        U.weight.copy_(U_h.flatten(0, 1))
+        factor.copy_(B_h.flatten(0, 1))
 
 
 def shared_plus_low_rank(W, r):
