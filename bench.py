@@ -12,7 +12,7 @@ MHA's. At the shortest context, generate() with and without the cache shows what
 buys. Decoding runs in bf16 on a GPU, weights and cache alike, as a server would hold them
 (autocast would re-cast every weight at every token), and in fp32 on a CPU. Eager, the caches
 grow by one position a step and on a GPU every step pays its kernel launches; compiled, the
-step runs on fixed shapes (model.compiled_step: the whole cache under a position mask), as one
+step runs on fixed shapes (fast_decode.py: the whole cache under a position mask), as one
 CUDA graph on a GPU.
 
     python bench.py --preset=cpu
@@ -38,7 +38,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from model import ATTENTION, GPT, GPTConfig, compiled_step, fix
+from fast_decode import compiled_step, fix
+from model import ATTENTION, GPT, GPTConfig
 from prepare_data import atomic_open
 from train import TrainConfig, configure_optimizers, optimizer_step, peak_flops
 
@@ -272,20 +273,21 @@ def compiled_rounds(models, state, n, device):
     then DECODE_ROUNDS interleaved rounds of n steps back to back, the median round."""
     torch._dynamo.reset()  # a graph per variant and context: more than dynamo keeps for one function
     times = {}
+    fixed = {}
     for attn, (caches, start, token, _, _) in state.items():
         for cache in caches:
             cache.pos = start
-        fix(caches)
+        fixed[attn] = fix(caches)
         for _ in range(DECODE_WARMUP):
-            compiled_step(models[attn], token, caches)
+            compiled_step(models[attn], token, fixed[attn])
         times[attn] = []
     for _ in range(DECODE_ROUNDS):
-        for attn, (caches, start, token, _, _) in state.items():
-            caches[0].pos.fill_(start)
+        for attn, (_, start, token, _, _) in state.items():
+            fixed[attn][0].pos.fill_(start)
             t0 = clock(device)
             for _ in range(n):
-                token = compiled_step(models[attn], token, caches).argmax(-1, keepdim=True)
-                caches[0].pos += 1
+                token = compiled_step(models[attn], token, fixed[attn]).argmax(-1, keepdim=True)
+                fixed[attn][0].pos += 1
             times[attn].append((clock(device) - t0) / n)
     return {attn: 1000 * statistics.median(t) for attn, t in times.items()}
 

@@ -126,8 +126,9 @@ class Attention(nn.Module):
         """This layer's attention output (B, T, d), W_o applied, for the normalised input x (B, T, d).
         rope: the rope_table rows of x's T positions. With a cache (a KVCache of cache_shapes), x
         continues the cached prefix: pass x's entries to cache.update, which appends them and
-        returns every position's, and attend over those (attend(q, k, v, cache) masks what a
-        fixed-shape cache holds past x); cache.rope has the rows of every cached position."""
+        returns every position's, and attend over those, seeing only the positions cache.mask()
+        allows where it is not None (attend(q, k, v, cache) does); cache.rope has the rows of
+        every cached position."""
         raise NotImplementedError
 
     def head_qk_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,13 +176,15 @@ class Attention(nn.Module):
     # an explicit mask, which leaves the memory-efficient or math kernel.
     def attend(self, q, k, v, cache=None):
         """softmax(q k^T / sqrt(d)) v for q (B, T, H, d) against k, v (B, S, H or G, d): the T
-        queries are the last T of the S positions, so T == S is plain causal attention; or, from
-        a fixed-shape cache, one query against all its max_len positions, those past it masked."""
+        queries are the last T of the S positions, so T == S is plain causal attention; or, where
+        the cache that returned k and v has a mask (fast_decode.py's fixed-shape one), the
+        positions it allows."""
         T, S = q.size(1), k.size(1)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         gqa = k.size(1) != q.size(1)
-        if cache is not None and cache.fixed:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.visible(), enable_gqa=gqa)
+        mask = None if cache is None else cache.mask()
+        if mask is not None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         elif T == S or T == 1:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa)
         else:
@@ -388,8 +391,9 @@ class LowRankKVAttention(Attention):
         S = cached[0].size(1)
         if x.size(1) == 1:
             scores = self.key_scores(q, *keys, cache.rope[:S])  # (B, H, S)
-            if cache.fixed:  # a fixed-shape cache: its unwritten positions (rho 0) are never seen
-                scores = scores.masked_fill(~cache.visible(), float("-inf"))
+            mask = cache.mask()
+            if mask is not None:  # a fixed-shape cache's unwritten positions (rho 0)
+                scores = scores.masked_fill(~mask, float("-inf"))
             a = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # (B, H, S)
             return self.project_out(self.attend_values(a, *values))
         # A prompt or a chunk after a prefix: q, k and v d_h wide as in training. Eq. 7's
@@ -580,16 +584,15 @@ class MultiHeadLatentAttention(Attention):
         c = norm(self.W_down(x))
         k_rope = apply_rope(self.W_kr(x).unsqueeze(2), rope)  # (B, T, 1, d_R)
         k = self.keys(c, k_rope)
-        prompt = not cache.fixed and cache.pos == 0
         c, k_rope, rho = cache.update(c=c, k_rope=k_rope, rho=rms(k))
-        if prompt:  # every key and value is new: attend as training does
+        if c.size(1) == T:  # a prompt, every key and value new: attend as training does
             v = F.pad(self.W_up_v(c).view(B, T, self.n_head, self.head_dim), (0, self.rope_dim))
             return self.project_out(self.attend(q, norm(k), v)[..., :self.head_dim])
         # After a prefix, attend over the latent itself, as a_h V_h = (a_h c) W_up,h^V exactly:
         # cheaper than applying W_up^V to every cached c, though flash attention refuses a v
         # (d_c wide) unlike q and k (d_h + d_R).
         if T == 1:
-            y = self.decode_step(q, c, k_rope, rho, cache.visible() if cache.fixed else None)
+            y = self.decode_step(q, c, k_rope, rho, cache.mask())
         else:
             # a chunk after a prefix: rebuild every head's keys at every position (the new
             # tokens' keys are built already)
@@ -599,8 +602,8 @@ class MultiHeadLatentAttention(Attention):
         W_up_v = self.W_up_v.weight.view(self.n_head, self.head_dim, self.kv_lora_rank)
         return self.project_out(torch.einsum("bthc,hdc->bthd", y, W_up_v))
 
-    def decode_step(self, q, c, k_rope, rho, visible=None):
-        """One new token's attention over all S cached positions (visible: which of them it may
+    def decode_step(self, q, c, k_rope, rho, mask=None):
+        """One new token's attention over all S cached positions (mask: which of them it may
         see, None for all), exact, without building any key. Head h's key at s is
         [c_s W_up,h^K | k_R,s] / rho_{h,s}, rho the RMS of that concatenation, cached when s was
         new, so for the normalised, rotated query q_h = [q_h^nope | q_h^R]
@@ -617,8 +620,8 @@ class MultiHeadLatentAttention(Attention):
         q_latent = (q_nope.unsqueeze(2) @ W_up_k).squeeze(2)  # (B, H, d_c)
         scores = torch.baddbmm(q_rope @ k_rope[:, :, 0].transpose(1, 2), q_latent, c.transpose(1, 2))  # (B, H, S)
         scores = scores / (rho.transpose(1, 2) * math.sqrt(self.qk_dim))
-        if visible is not None:  # a fixed-shape cache: its unwritten positions (rho 0) are never seen
-            scores = scores.masked_fill(~visible, float("-inf"))
+        if mask is not None:  # a fixed-shape cache's unwritten positions (rho 0)
+            scores = scores.masked_fill(~mask, float("-inf"))
         a = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # (B, H, S)
         return (a @ c).unsqueeze(1)
 
@@ -697,13 +700,9 @@ class GPT(nn.Module):
         """Logits (B, T, vocab) in fp32, and the mean cross-entropy if targets are given.
         With caches (one KVCache per layer, see new_caches), idx continues the cached prefix."""
         B, T = idx.shape
-        start = caches[0].pos if caches else 0
-        if isinstance(start, torch.Tensor):  # a fixed-shape step (KVCache.fixed): one token at start
-            rope = self.rope[start]
-        else:
-            if start + T > self.config.block_size:
-                raise ValueError(f"sequence of {start + T} tokens is longer than block_size = {self.config.block_size}")
-            rope = self.rope[start:start + T]  # the rows of idx's positions
+        if T > self.config.block_size:
+            raise ValueError(f"sequence of {T} tokens is longer than block_size = {self.config.block_size}")
+        rope = caches[0].next_rope(T) if caches else self.rope[:T]  # the rows of idx's positions
         x = norm(self.wte(idx))
         for block, cache in zip(self.blocks, caches or [None] * len(self.blocks)):
             x = block(x, rope, cache)
@@ -768,23 +767,24 @@ class GPT(nn.Module):
         return sum(math.prod(shape) for shape in self.blocks[0].attn.cache_shapes().values())
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, compile=False,
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, step=None,
                  vocab_size=None):
         """idx (B, T) continued by max_new_tokens sampled tokens: (B, T + max_new_tokens)."""
-        new = self.stream(idx, max_new_tokens, temperature, top_k, use_cache, compile, vocab_size)
+        new = self.stream(idx, max_new_tokens, temperature, top_k, use_cache, step, vocab_size)
         return torch.cat([idx, *new], dim=1)
 
     @torch.no_grad()
-    def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, compile=False,
+    def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, step=None,
                vocab_size=None):
         """Yield the max_new_tokens tokens (B, 1) that continue idx (B, T), one at a time, each as
         soon as it is drawn; temperature 0 is greedy. With the cache the prompt is read once
         (prefill) and then one token is fed per step; without it every step reads the whole
-        sequence again. compile: the single-token steps run on fixed shapes (fixed_step), compiled
-        once by torch.compile, as CUDA graphs on a GPU. vocab_size: draw only ids below it, the
-        tokenizer's, where the model's vocabulary is padded past it (GPT-2's 50257 to 50304)."""
-        if compile and not use_cache:
-            raise ValueError("compile=True compiles the cached single-token step: it needs use_cache=True")
+        sequence again. step(model, token, caches): what feeds each token after a prefill and
+        returns its logits (B, vocab), by default the model itself (fast_decode.compiled_decode:
+        the same step compiled). vocab_size: draw only ids below it, the tokenizer's, where the
+        model's vocabulary is padded past it (GPT-2's 50257 to 50304)."""
+        if step is not None and not use_cache:
+            raise ValueError("a step feeds the KV cache: it needs use_cache=True")
         if idx.size(1) + max_new_tokens > self.config.block_size:
             raise ValueError(f"prompt + max_new_tokens = {idx.size(1) + max_new_tokens} exceeds block_size = {self.config.block_size}")
         device = idx.device.type
@@ -793,11 +793,8 @@ class GPT(nn.Module):
         for i in range(max_new_tokens):
             if caches is None or i == 0:
                 logits = self(idx, caches=caches)[0][:, -1]
-            elif compile:
-                if i == 1:
-                    fix(caches)
-                logits = compiled_step(self, idx[:, -1:], caches)
-                caches[0].pos += 1  # the position every layer's fixed-shape cache shares
+            elif step is not None:
+                logits = step(self, idx[:, -1:], caches)
             else:
                 logits = self(idx[:, -1:], caches=caches)[0][:, -1]
             logits = logits[:, :vocab_size]
@@ -818,11 +815,10 @@ class GPT(nn.Module):
 
 class KVCache(nn.Module):
     """One layer's decoding memory: a (B, max_len, *shape) buffer per cached name, filled up to
-    pos, and rope, the (max_len, rope_dim) RoPE table of its positions. While pos is an int the
-    cache grows by what it is given (a prompt, a chunk, a token) and update returns the positions
-    so far. Fixed (fix below), pos is a (1,) tensor that every layer shares, update writes the one
-    new token there and returns whole buffers, and attention masks what lies past pos
-    (visible): every step has the same shapes, which is what lets torch.compile capture it once."""
+    pos, and rope, the (max_len, rope_dim) RoPE table of its positions. It grows by what it is
+    given (a prompt, a chunk, a token): update appends it and returns every position's entries so
+    far, all of which the new tokens may see, causally (mask() is None). fast_decode.py turns
+    filled caches into fixed-shape ones for torch.compile, with the same three methods."""
 
     def __init__(self, batch_size, max_len, shapes, dtype, device=None, rope=None):
         super().__init__()
@@ -831,23 +827,19 @@ class KVCache(nn.Module):
             buf = torch.zeros(batch_size, max_len, *shape, dtype=dtype, device=device)
             self.register_buffer(name, buf, persistent=False)
 
-    @property
-    def fixed(self):
-        return isinstance(self.pos, torch.Tensor)
+    def next_rope(self, T):
+        """The RoPE rows (T, rope_dim) of the next T positions, which update will fill."""
+        if self.pos + T > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} tokens, {self.pos + T} were asked for")
+        return self.rope[self.pos:self.pos + T]
 
-    def visible(self):
-        """(1, max_len) bool: the positions that the fixed-shape step's one token attends to."""
-        return (torch.arange(self.max_len, device=self.pos.device) <= self.pos)[None]
+    def mask(self):
+        """Which of the positions update returns the new tokens may see: here all, causally."""
+        return None
 
     def update(self, **new):
         """Append the new tokens' entries; return every name's entries so far, in the caller's dtype."""
-        if self.fixed:
-            for name, x in new.items():
-                getattr(self, name).index_copy_(1, self.pos, x.to(getattr(self, name).dtype))
-            return [getattr(self, name).to(x.dtype) for name, x in new.items()]
         end = self.pos + next(iter(new.values())).size(1)
-        if end > self.max_len:
-            raise ValueError(f"KV cache holds {self.max_len} tokens, {end} were asked for")
         out = []
         for name, x in new.items():
             buf = getattr(self, name)
@@ -855,25 +847,3 @@ class KVCache(nn.Module):
             out.append(buf[:, :end].to(x.dtype))
         self.pos = end
         return out
-
-
-def fix(caches):
-    """Turn filled caches into fixed-shape ones for single-token steps, from their position on:
-    one position tensor for all layers, and buffers whose addresses CUDA graphs may keep."""
-    pos = torch.tensor([caches[0].pos], device=caches[0].rope.device)
-    for cache in caches:
-        cache.pos = pos
-        for buf in cache.buffers():
-            torch._dynamo.mark_static_address(buf)
-
-
-def fixed_step(model, token, caches):
-    """The last logits (B, vocab) of one token (B, 1) through fixed caches: the step
-    compiled_step compiles, with the same shapes at every position."""
-    return model(token, caches=caches)[0][:, -1]
-
-
-# One compiled step for every model and cache of the same shapes: torch.compile lifts modules'
-# weights and buffers into graph inputs, so new caches reuse the graph. On a GPU,
-# "reduce-overhead" replays it as a CUDA graph, one launch for the whole step.
-compiled_step = torch.compile(fixed_step, mode="reduce-overhead" if torch.cuda.is_available() else None)

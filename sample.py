@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from fast_decode import compiled_decode
 from prepare_data import get_tokenizer
 from train import ConfigError, load_checkpoint, pick_device
 
@@ -121,7 +122,7 @@ def main(argv=None):
         text = codecs.getincrementaldecoder("utf-8")(errors="replace")
         print(text.decode(tok.decode_bytes(prompt)), end="", flush=True)
         for token in model.stream(idx, args.max_new_tokens, args.temperature, args.top_k, not args.no_cache,
-                                  args.compile, tok.vocab_size):
+                                  compiled_decode if args.compile else None, tok.vocab_size):
             drawn += 1
             if token.item() == tok.eot_id:
                 break  # the document ends here: the tokens after it would start an unrelated one

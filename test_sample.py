@@ -14,6 +14,7 @@ import torch
 import prepare_data
 import sample
 import train
+from fast_decode import compiled_decode
 from model import GPT
 from test_train import data_dir, flags  # noqa: F401 (data_dir is a fixture)
 
@@ -80,9 +81,9 @@ def fake_stream(monkeypatch, tokens, before_each=lambda: None):
     the arguments of each call."""
     drawn, calls = [], []
 
-    def stream(self, idx, max_new_tokens, temperature, top_k, use_cache, compile, vocab_size):
+    def stream(self, idx, max_new_tokens, temperature, top_k, use_cache, step, vocab_size):
         assert vocab_size == BYTES.vocab_size
-        calls.append((idx.tolist(), max_new_tokens, temperature, top_k, use_cache, compile))
+        calls.append((idx.tolist(), max_new_tokens, temperature, top_k, use_cache, step))
         for token in tokens:
             before_each()
             drawn.append(token)
@@ -96,9 +97,9 @@ def test_the_flags_reach_stream(capsys, monkeypatch, ckpt):
     run(capsys, ckpt)
     run(capsys, ckpt, f"--prompt={PROMPT}", "--temperature=0.5", "--top_k=none", "--no_cache", "--num_samples=2")
     run(capsys, ckpt, "--compile")
-    assert calls == ([([[BYTES.eot_id]], NEW, 0.8, 200, True, False)]
-                     + [([[BYTES.eot_id, *PROMPT.encode()]], NEW, 0.5, None, False, False)] * 2
-                     + [([[BYTES.eot_id]], NEW, 0.8, 200, True, True)])
+    assert calls == ([([[BYTES.eot_id]], NEW, 0.8, 200, True, None)]
+                     + [([[BYTES.eot_id, *PROMPT.encode()]], NEW, 0.5, None, False, None)] * 2
+                     + [([[BYTES.eot_id]], NEW, 0.8, 200, True, compiled_decode)])
 
 
 def test_end_of_text_ends_a_sample(capsys, monkeypatch, ckpt):
