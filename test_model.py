@@ -4,6 +4,7 @@ forward pass, and the KV-cache sizes of section 2."""
 
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,11 +48,20 @@ def lin(t, layer):
     return t @ layer.weight.double().t()
 
 
-def reference(table, attn, what):
-    """table[attn], or a failure that names the variant the table has no entry for."""
-    if attn not in table:
-        pytest.fail(f"no {what} for {attn}")
-    return table[attn]
+class Table(dict):
+    """A table of references with an entry per variant. A variant it lacks fails the test that
+    reads it, naming the table and the line that defines it: never a skip, never a default."""
+
+    def __init__(self, name, entries):
+        super().__init__(entries)
+        self.name = name
+
+    def __missing__(self, attn):
+        lines = Path(__file__).read_text().splitlines()
+        line = next(n for n, text in enumerate(lines, 1) if text.startswith(f"{self.name} = "))
+        pytest.fail(f"{self.name} has no entry for --attn={attn}: add one at test_model.py:{line} (or, for a "
+                    "variant defined in a test file, where that file registers its entries, as test_variant.py's "
+                    "REFERENCES)")
 
 
 def grouped_keys_values(kv_heads):
@@ -85,20 +95,20 @@ def mla_keys_values(attn, x, config):
 
 # Each variant's keys and values from the paper's formulas, and how many of each key's last dims
 # RoPE rotates: (layer, x (1, T, d) float64, config) -> (H keys (T, d_qk), H values (T, d_h), rot_dim)
-NAIVE_KEYS_VALUES = {
+NAIVE_KEYS_VALUES = Table("NAIVE_KEYS_VALUES", {
     "mha": grouped_keys_values(lambda config: config.n_head),
     "gqa": grouped_keys_values(lambda config: config.n_kv_head),
     "mqa": grouped_keys_values(lambda config: 1),
     "lrkv": lrkv_keys_values,
     "mla": mla_keys_values,
-}
+})
 
 
 def naive_attention(attn, x, config):
     """One head at a time, softmax written out, keys and values from the paper's formulas."""
     x = x.double()
     H, T = config.n_head, x.size(1)
-    keys, values, rot_dim = reference(NAIVE_KEYS_VALUES, config.attn, "naive reference")(attn, x, config)
+    keys, values, rot_dim = NAIVE_KEYS_VALUES[config.attn](attn, x, config)
     qk_dim = keys[0].size(-1)
     positions = torch.arange(T, dtype=torch.float64)
     Wq = attn.W_q.weight.double().view(H, qk_dim, -1)
@@ -227,12 +237,14 @@ def test_cached_rms_is_what_norm_divides_by(dtype, tol):
     assert torch.allclose(divided, norm(x).double(), rtol=tol, atol=tol)
 
 
-# The weights that make each key of a variant that caches key RMSs: scaled down, they leave
-# keys with a mean square far below bf16's eps
-KEY_WEIGHTS = {"lrkv": ("W_shared_k", "U_k"), "mla": ("W_up_k", "W_kr")}
+# The weights that make each variant's keys: scaled down, they leave keys with a mean square far
+# below bf16's eps, where the QK norm (and the key RMS that LRKV and MLA cache) must keep its fp32 eps
+KEY_WEIGHTS = Table("KEY_WEIGHTS", {
+    "mha": ("W_k",), "gqa": ("W_k",), "mqa": ("W_k",), "lrkv": ("W_shared_k", "U_k"), "mla": ("W_up_k", "W_kr"),
+})
 
 
-@pytest.mark.parametrize("attn", KEY_WEIGHTS)
+@pytest.mark.parametrize("attn", ATTENTION)
 def test_bf16_single_token_steps_with_small_keys_match_the_full_forward(attn):
     model = tiny_model(attn).to(torch.bfloat16)
     with torch.no_grad():
@@ -265,19 +277,27 @@ def test_single_token_steps_match_a_chunk_over_64_positions(attn):
     assert (stepped - full[:, 8:]).abs().max() < 1e-4
 
 
-# Where each variant with a decode_step builds per-head keys, (object, method name, the number of
-# positions a call builds keys for, None when the call builds something else). For MLA that is
-# the W_up_k module's call: a step that used W_up_k.weight directly on the cache would escape it.
-KEY_BUILDERS = {
+# Where each variant builds per-head keys: (object, method name, the number of positions a call
+# builds keys for, None when the call builds something else). MHA, GQA and MQA build them with W_k
+# and cache them ready. For MLA it is the W_up_k module's call: a step that used W_up_k.weight
+# directly on the cache would escape it.
+def grouped_key_builder(layer):
+    return layer.W_k, "forward", lambda x: x.size(1)
+
+
+KEY_BUILDERS = Table("KEY_BUILDERS", {
+    "mha": grouped_key_builder, "gqa": grouped_key_builder, "mqa": grouped_key_builder,
     "lrkv": lambda layer: (layer, "residual", lambda R, factor: R.size(1) if factor is layer.B_k else None),
     "mla": lambda layer: (layer.W_up_k, "forward", lambda c: c.size(1)),
-}
+})
 
 
-@pytest.mark.parametrize("attn", KEY_BUILDERS)
+@pytest.mark.parametrize("attn", ATTENTION)
 def test_single_token_steps_build_keys_of_their_own_token_only(attn, monkeypatch):
-    """A single-token step builds its own token's per-head keys, for their RMS (which is cached),
-    and no cached position's: LRKV's R_h^K (B_h^K)^T, MLA's c W_up,h^K (which the query absorbs)."""
+    """A single-token step builds its own token's per-head keys and no cached position's: those
+    that MHA, GQA and MQA cache, and those LRKV and MLA build for the key RMS that they cache, where
+    a cached position's are never built (LRKV's R_h^K (B_h^K)^T, MLA's c W_up,h^K, which the query
+    absorbs)."""
     model = tiny_model(attn, block_size=64)
     positions = []
     for block in model.blocks:
@@ -324,24 +344,34 @@ def test_generation_past_block_size_raises():
         model.generate(torch.zeros(1, 30, dtype=torch.long), 3)
 
 
-PAPER_CACHE_MIB = {"mha": 72, "gqa": 36, "mqa": 12, "lrkv": 37.875, "mla": 9}
-# LRKV's and MLA's decoders also cache each head's key RMS, which the paper does not count: 12
-# layers x 2048 tokens x 6 heads x 2 bytes (+0.7% and +3.1%; see LowRankKVAttention and
-# MultiHeadLatentAttention)
+# Each variant's KV cache at 128M (12 layers, 2,048 tokens, bf16), in MiB, keys and values as the
+# paper counts them (section 2)
+PAPER_CACHE_MIB = Table("PAPER_CACHE_MIB", {"mha": 72, "gqa": 36, "mqa": 12, "lrkv": 37.875, "mla": 9})
+# What each decoder caches besides: LRKV's and MLA's also cache each head's key RMS, which the paper
+# does not count, 12 layers x 2048 tokens x 6 heads x 2 bytes (+0.7% and +3.1%; see
+# LowRankKVAttention and MultiHeadLatentAttention)
 KEY_RMS_MIB = 12 * 2048 * 6 * 2 / MIB
-DECODER_EXTRA_MIB = {"lrkv": KEY_RMS_MIB, "mla": KEY_RMS_MIB}
+DECODER_EXTRA_MIB = Table("DECODER_EXTRA_MIB", {
+    "mha": 0, "gqa": 0, "mqa": 0, "lrkv": KEY_RMS_MIB, "mla": KEY_RMS_MIB,
+})
+# Each variant's cached elements per token and layer, all of them, from its formula
+CACHE_ELEMENTS = Table("CACHE_ELEMENTS", {
+    "mha": lambda c: 2 * c.n_head * c.head_dim,
+    "gqa": lambda c: 2 * c.n_kv_head * c.head_dim,
+    "mqa": lambda c: 2 * c.head_dim,
+    "lrkv": lambda c: 2 * c.head_dim + 2 * c.n_head * c.lrkv_rank + c.n_head,
+    "mla": lambda c: c.kv_lora_rank + c.rope_head_dim + c.n_head,
+})
 
 
 @pytest.mark.parametrize("attn", ATTENTION)
 def test_kv_cache_bytes_of_the_128m_model(attn):
     with torch.device("meta"):
         model = GPT(GPTConfig(attn=attn))
-    paper_mib = reference(PAPER_CACHE_MIB, attn, "cache size in the paper")
-    assert model.kv_cache_bytes(1, 2048, torch.bfloat16) == (paper_mib + DECODER_EXTRA_MIB.get(attn, 0)) * MIB
+    mib = PAPER_CACHE_MIB[attn] + DECODER_EXTRA_MIB[attn]
+    assert model.kv_cache_bytes(1, 2048, torch.bfloat16) == mib * MIB
     H, d_h, c = model.config.n_head, model.config.head_dim, model.config
-    per_token = {"mha": 2 * H * d_h, "gqa": 2 * c.n_kv_head * d_h, "mqa": 2 * d_h,
-                 "mla": c.kv_lora_rank + c.rope_head_dim + H, "lrkv": 2 * d_h + 2 * H * c.lrkv_rank + H}
-    assert model.kv_cache_elements_per_token() == reference(per_token, attn, "cache elements per token")
+    assert model.kv_cache_elements_per_token() == CACHE_ELEMENTS[attn](c)
     if attn == "lrkv":  # the paper's cache fraction 1/H + r/d_h = 52.6%, plus 1/(2 d_h) for the RMSs: 53.0%
         fraction = 1 / H + c.lrkv_rank / d_h + 1 / (2 * d_h)
         assert model.kv_cache_elements_per_token() / (2 * H * d_h) == pytest.approx(fraction)
@@ -363,14 +393,14 @@ def test_generation_allocates_exactly_the_predicted_cache(attn, monkeypatch):
 
 # Each variant's parameters per layer besides W_q, W_o and the MLP, from its formula (MHA's and
 # LRKV's are the paper's section 1), and the width of its q/k heads: (K/V-side parameters, d_qk)
-ATTENTION_PARAMS = {
+ATTENTION_PARAMS = Table("ATTENTION_PARAMS", {
     "mha": lambda c: (2 * c.n_head * c.n_embd * c.head_dim, c.head_dim),
     "gqa": lambda c: (2 * c.n_kv_head * c.n_embd * c.head_dim, c.head_dim),
     "mqa": lambda c: (2 * c.n_embd * c.head_dim, c.head_dim),
     "lrkv": lambda c: (2 * c.n_embd * c.head_dim + 2 * c.n_head * c.lrkv_rank * (c.n_embd + c.head_dim), c.head_dim),
     "mla": lambda c: (c.n_embd * c.kv_lora_rank + 2 * c.kv_lora_rank * c.n_head * c.head_dim + c.n_embd * c.rope_head_dim,
                       c.head_dim + c.rope_head_dim),
-}
+})
 
 
 @pytest.mark.parametrize("attn", ATTENTION)
@@ -378,7 +408,7 @@ def test_parameter_and_flop_counts_follow_each_variants_formula(attn):
     """At 128M: the parameters, and the training FLOPs per token, 6 per weight of every matmul (all
     but the embedding) plus 6 per multiply-add of q k^T and a v over T keys, q/k heads d_qk wide."""
     c = GPTConfig(attn=attn)
-    kv, d_qk = reference(ATTENTION_PARAMS, attn, "parameter formula")(c)
+    kv, d_qk = ATTENTION_PARAMS[attn](c)
     per_layer = kv + c.n_embd * c.n_head * d_qk + c.n_head * c.head_dim * c.n_embd + 8 * c.n_embd ** 2
     with torch.device("meta"):
         model = GPT(c)
@@ -403,8 +433,10 @@ def mla_head_keys(layer, x, c):  # the latent norm taken as identity
 
 # Each variant's per-head keys (N, H, d_qk) for x (N, d), from its own projections, before the QK
 # norm and RoPE
-HEAD_KEYS = {"mha": grouped_head_keys, "gqa": grouped_head_keys, "mqa": grouped_head_keys,
-             "lrkv": lrkv_head_keys, "mla": mla_head_keys}
+HEAD_KEYS = Table("HEAD_KEYS", {
+    "mha": grouped_head_keys, "gqa": grouped_head_keys, "mqa": grouped_head_keys, "lrkv": lrkv_head_keys,
+    "mla": mla_head_keys,
+})
 
 
 @pytest.mark.parametrize("attn", ATTENTION)
@@ -416,10 +448,17 @@ def test_head_qk_weights_match_each_variants_projections(attn):
     assert Wq.shape == Wk.shape == (c.n_head, c.n_embd, layer.qk_dim)
     H = c.n_head
     q = layer.W_q(x).view(5, H, layer.qk_dim)
-    k = reference(HEAD_KEYS, attn, "per-head keys")(layer, x, c)
+    k = HEAD_KEYS[attn](layer, x, c)
     for h in range(H):
         torch.testing.assert_close(x @ Wq[h], q[:, h], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(x @ Wk[h], k[:, h], atol=1e-5, rtol=1e-5)
+
+
+def test_the_readme_names_every_reference_table():
+    """README.md's "Adding a variant" lists every table that a new variant needs an entry in."""
+    section = (Path(__file__).parent / "README.md").read_text().split("## Adding a variant")[1].split("\n## ")[0]
+    tables = [name for name, value in globals().items() if isinstance(value, Table)]
+    assert tables and [name for name in tables if f"`{name}`" not in section] == []
 
 
 @pytest.mark.parametrize("overrides, field", [
