@@ -752,12 +752,16 @@ class GPT(nn.Module):
 
     # decoding
 
-    def new_caches(self, batch_size, max_len, dtype=torch.bfloat16, device=None):
+    def new_caches(self, batch_size, max_len, dtype=None, device=None):
+        """One empty KVCache per layer for batch_size sequences of up to max_len tokens, in dtype,
+        by default the weights' (a CPU without bf16 instructions emulates bf16, slowly: a caller
+        that wants it says so)."""
+        dtype = self.wte.weight.dtype if dtype is None else dtype
         device = self.wte.weight.device if device is None else device
         return [KVCache(batch_size, max_len, block.attn.cache_shapes(), dtype, device, self.rope[:max_len])
                 for block in self.blocks]
 
-    def kv_cache_bytes(self, batch_size, seq_len, dtype=torch.bfloat16):
+    def kv_cache_bytes(self, batch_size, seq_len, dtype=None):
         """Bytes the decoding caches allocate, counted off the same caches built on the meta device."""
         caches = self.new_caches(batch_size, seq_len, dtype, device="meta")
         return sum(buf.numel() * buf.element_size() for cache in caches for buf in cache.buffers())

@@ -391,6 +391,14 @@ def test_generation_allocates_exactly_the_predicted_cache(attn, monkeypatch):
     assert model.kv_cache_bytes(3, 10, torch.bfloat16) == 2 * 3 * 10 * TINY.n_layer * model.kv_cache_elements_per_token()
 
 
+def test_caches_default_to_the_weights_dtype():
+    model = tiny_model("lrkv")
+    for dtype in (torch.float32, torch.bfloat16):
+        model.to(dtype)
+        assert {b.dtype for cache in model.new_caches(2, 8) for b in cache.buffers()} == {dtype}
+        assert model.kv_cache_bytes(2, 8) == model.kv_cache_bytes(2, 8, dtype)
+
+
 # Each variant's parameters per layer besides W_q, W_o and the MLP, from its formula (MHA's and
 # LRKV's are the paper's section 1), and the width of its q/k heads: (K/V-side parameters, d_qk)
 ATTENTION_PARAMS = Table("ATTENTION_PARAMS", {
