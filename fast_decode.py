@@ -71,6 +71,7 @@ def compiled_decode(model, token, caches):
     shared position moves on."""
     if not isinstance(caches[0], FixedKVCache):
         caches[:] = fix(caches)
-    logits = compiled_step(model, token, caches)
+    # contiguous: a column of stream's growing idx has a new stride at every step, which recompiles
+    logits = compiled_step(model, token.contiguous(), caches)
     caches[0].pos += 1
     return logits

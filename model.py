@@ -758,6 +758,8 @@ class GPT(nn.Module):
         that wants it says so)."""
         dtype = self.wte.weight.dtype if dtype is None else dtype
         device = self.wte.weight.device if device is None else device
+        if max_len > self.config.block_size:  # the RoPE table has block_size rows
+            raise ValueError(f"a KV cache of {max_len} tokens exceeds block_size = {self.config.block_size}")
         return [KVCache(batch_size, max_len, block.attn.cache_shapes(), dtype, device, self.rope[:max_len])
                 for block in self.blocks]
 
@@ -781,22 +783,35 @@ class GPT(nn.Module):
     def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, step=None,
                vocab_size=None):
         """Yield the max_new_tokens tokens (B, 1) that continue idx (B, T), one at a time, each as
-        soon as it is drawn; temperature 0 is greedy. With the cache the prompt is read once
-        (prefill) and then one token is fed per step; without it every step reads the whole
-        sequence again. step(model, token, caches): what feeds each token after a prefill and
-        returns its logits (B, vocab), by default the model itself (fast_decode.compiled_decode:
-        the same step compiled). vocab_size: draw only ids below it, the tokenizer's, where the
-        model's vocabulary is padded past it (GPT-2's 50257 to 50304)."""
+        soon as it is drawn; temperature 0 is greedy. The model sees a context of at most
+        block_size tokens, the last ones: a longer prompt is cropped to them, as nanoGPT's
+        sample.py crops it, and a context that would outgrow block_size starts again from its most
+        recent half. With the cache the context is read once (prefill) and then one token is fed
+        per step; without it every step reads the whole context again. step(model, token,
+        caches): what feeds each token after a prefill and returns its logits (B, vocab), by
+        default the model itself (fast_decode.compiled_decode: the same step compiled).
+        vocab_size: draw only ids below it, the tokenizer's, where the model's vocabulary is
+        padded past it (GPT-2's 50257 to 50304)."""
         if step is not None and not use_cache:
             raise ValueError("a step feeds the KV cache: it needs use_cache=True")
-        if idx.size(1) + max_new_tokens > self.config.block_size:
-            raise ValueError(f"prompt + max_new_tokens = {idx.size(1) + max_new_tokens} exceeds block_size = {self.config.block_size}")
+        L = self.config.block_size
+        # Past L, the context keeps its last L - L // 2 tokens (half, rounded up), through fresh
+        # caches and a prefill of them. Keeping k tokens prefills k every L - k + 1 new tokens, about
+        # one prefill token per generated token at half, and every token still sees at least half a
+        # context; keeping more would cost more, fewer would leave the model less to see. Without
+        # the cache the context is cropped at the same points: both see the same tokens.
+        keep = L - L // 2
+        start = max(0, idx.size(1) - L)  # where the context begins in idx
+        max_len = min(L, idx.size(1) + max_new_tokens)  # every cache's: the longest the context gets
         device = idx.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else self.lm_head.weight.dtype
-        caches = self.new_caches(idx.size(0), idx.size(1) + max_new_tokens, dtype) if use_cache else None
-        for i in range(max_new_tokens):
-            if caches is None or i == 0:
-                logits = self(idx, caches=caches)[0][:, -1]
+        caches = None
+        for _ in range(max_new_tokens):
+            if idx.size(1) - start > L:
+                start, caches = idx.size(1) - keep, None
+            if caches is None:  # the whole context: the prompt, a new start, or any step without the cache
+                caches = self.new_caches(idx.size(0), max_len, dtype) if use_cache else None
+                logits = self(idx[:, start:], caches=caches)[0][:, -1]
             elif step is not None:
                 logits = step(self, idx[:, -1:], caches)
             else:

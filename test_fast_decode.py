@@ -1,6 +1,6 @@
 """Tests of fast_decode.py: the fixed-shape single-token step gives the eager step's logits, is
-one graph at every position, and compiled by inductor gives eager's tokens, also through
-GPT.stream's step."""
+one graph at every position, and compiled by inductor gives eager's tokens through GPT.stream's
+step, past the model's context too."""
 
 import pytest
 import torch
@@ -49,13 +49,16 @@ def test_the_fixed_shape_step_is_one_graph_at_every_position(attn):
 
 @pytest.mark.parametrize("attn", ["mha", "lrkv"])
 def test_compiled_generation_is_eager_generation(attn):
-    """generate(step=compiled_decode), inductor's code and all, gives eager's greedy tokens, and
-    the same logits to fp32 rounding."""
+    """generate(step=compiled_decode), inductor's code and all, gives eager's greedy tokens, past
+    the context too, where each new start's caches are fixed again and reuse the graph; and the
+    same logits to fp32 rounding."""
     model = tiny_model(attn)
     prompt = torch.randint(0, TINY.vocab_size, (2, 5))
+    n = 2 * TINY.block_size + 20
     torch._dynamo.reset()
-    compiled = model.generate(prompt, 12, temperature=0, step=compiled_decode)
-    assert torch.equal(compiled, model.generate(prompt, 12, temperature=0))
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = model.generate(prompt, n, temperature=0, step=compiled_decode)
+    assert torch.equal(compiled, model.generate(prompt, n, temperature=0))
     idx = torch.randint(0, TINY.vocab_size, (2, 24))
     with torch.no_grad():
         assert (fixed_steps(model, idx, 6, compiled_step) - fixed_steps(model, idx, 6, fixed_step)).abs().max() < 1e-5

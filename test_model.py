@@ -338,10 +338,48 @@ def test_generation_draws_no_id_past_the_tokenizers_vocabulary():
     assert model.generate(prompt, 20, temperature=0, vocab_size=7)[:, 3:].max() < 7
 
 
-def test_generation_past_block_size_raises():
+def cropped_greedy(model, idx, n):
+    """idx and n greedy tokens, each from a full forward pass over the context that GPT.stream
+    documents: the last block_size tokens at most, starting again from the most recent half
+    (rounded up) whenever it would outgrow block_size."""
+    L = model.config.block_size
+    start = max(0, idx.size(1) - L)
+    for _ in range(n):
+        if idx.size(1) - start > L:
+            start = idx.size(1) - (L + 1) // 2
+        idx = torch.cat((idx, model(idx[:, start:])[0][:, -1].argmax(-1, keepdim=True)), dim=1)
+    return idx
+
+
+@pytest.mark.parametrize("attn", ATTENTION)
+def test_generation_goes_on_past_the_context_on_caches_of_block_size(attn, monkeypatch):
+    """Greedy tokens with the cache and without it are the reference's, the context cropped at the
+    same points, over more than twice block_size; every cache allocated is block_size long. In
+    float64: no near-tie between two logits can make a token differ."""
+    model = tiny_model(attn).double()
+    lengths = []
+    new_caches = model.new_caches
+    monkeypatch.setattr(model, "new_caches", lambda *a, **k: lengths.append(a[1]) or new_caches(*a, **k))
+    L = TINY.block_size
+    prompt = torch.randint(0, TINY.vocab_size, (2, 5))
+    expected = cropped_greedy(model, prompt, 2 * L + 20)
+    assert torch.equal(model.generate(prompt, 2 * L + 20, temperature=0), expected)
+    assert lengths == [L] * 5  # the prompt's, and new starts at 33, 50, 67 and 84 tokens
+    assert torch.equal(model.generate(prompt, 2 * L + 20, temperature=0, use_cache=False), expected)
+    long_prompt = torch.randint(0, TINY.vocab_size, (2, L + 7))  # cropped to its last L tokens
+    assert torch.equal(model.generate(long_prompt, 9, temperature=0), cropped_greedy(model, long_prompt, 9))
+
+
+def test_what_exceeds_block_size_is_refused():
     model = tiny_model("mha")
-    with pytest.raises(ValueError, match="block_size"):
-        model.generate(torch.zeros(1, 30, dtype=torch.long), 3)
+    with pytest.raises(ValueError, match="sequence of 33 tokens is longer than block_size = 32"):
+        model(torch.zeros(1, 33, dtype=torch.long))
+    with pytest.raises(ValueError, match="a KV cache of 33 tokens exceeds block_size = 32"):
+        model.new_caches(1, 33)
+    caches = model.new_caches(1, 32)
+    model(torch.zeros(1, 30, dtype=torch.long), caches=caches)
+    with pytest.raises(ValueError, match="KV cache holds 32 tokens, 33 were asked for"):
+        model(torch.zeros(1, 3, dtype=torch.long), caches=caches)
 
 
 # Each variant's KV cache at 128M (12 layers, 2,048 tokens, bf16), in MiB, keys and values as the

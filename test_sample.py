@@ -46,12 +46,12 @@ def run(capsys, ckpt, *args):
     return samples, last
 
 
-def reference(model, prompt, **kwargs):
+def reference(model, prompt, max_new_tokens=NEW, **kwargs):
     """What sample.py prints of one sample, from generate(): the text up to the end-of-text that
     ends the document, and the tokens drawn up to it, it included."""
     ids = [BYTES.eot_id, *BYTES.encode_batch([prompt])[0].tolist()]
-    new = model.generate(torch.tensor([ids]), NEW, **kwargs)[0, len(ids):].tolist()
-    drawn = new.index(BYTES.eot_id) + 1 if BYTES.eot_id in new else NEW
+    new = model.generate(torch.tensor([ids]), max_new_tokens, **kwargs)[0, len(ids):].tolist()
+    drawn = new.index(BYTES.eot_id) + 1 if BYTES.eot_id in new else max_new_tokens
     return BYTES.decode(ids + new[:drawn]), drawn
 
 
@@ -131,19 +131,30 @@ def test_the_last_line_reports_speed_and_kv_cache_bytes(capsys, ckpt):
     assert re.fullmatch(stats + r"no KV cache \(--no_cache\)\n", run(capsys, ckpt, "--no_cache")[1])
 
 
+def test_a_sample_goes_on_past_the_models_context(capsys, ckpt, model, tmp_path):
+    """1000 tokens from a model of block_size 32, and a prompt longer than it: each sample is
+    generate()'s, which crops the context, and the KV cache reported is the one allocated, block_size
+    tokens."""
+    samples, last = run(capsys, ckpt, "--temperature=0", "--max_new_tokens=1000")
+    text, drawn = reference(model, "", 1000, temperature=0)
+    assert drawn == 1000 and samples == [text] and last.startswith("1 sample, 1000 tokens in ")
+    size = model.kv_cache_bytes(1, model.config.block_size)
+    assert last.endswith(f"KV cache {size / 2**10:.1f} KiB (float32, 1 x {model.config.block_size} tokens)\n")
+    (tmp_path / "long.txt").write_text(PROMPT * 20)
+    samples = run(capsys, ckpt, "--temperature=0", f"--prompt=FILE:{tmp_path / 'long.txt'}")[0]
+    assert samples == [reference(model, PROMPT * 20, temperature=0)[0]]
+
+
 def bad_inputs(ckpt, tmp_path):
     """(arguments, what the error line says) for each kind of bad input."""
     junk, untokenized = tmp_path / "junk.pt", tmp_path / "old.pt"
     junk.write_bytes(b"not a checkpoint")
     torch.save({k: v for k, v in torch.load(ckpt, weights_only=True).items() if k != "tokenizer"}, untokenized)
-    (tmp_path / "long.txt").write_text("x" * 30)
     unavailable = "mps" if torch.cuda.is_available() else "cuda"
     return [
         ([tmp_path / "missing.pt"], "missing.pt: No such file or directory"),
         ([junk], "junk.pt: not a PyTorch checkpoint"),
         ([untokenized], "old.pt: has no 'tokenizer'"),
-        ([ckpt, "--max_new_tokens=32"], "1 tokens + --max_new_tokens=32 = 33 exceed the model's block_size = 32"),
-        ([ckpt, f"--prompt=FILE:{tmp_path / 'long.txt'}", "--max_new_tokens=2"], "31 tokens + --max_new_tokens=2 = 33"),
         ([ckpt, "--prompt=FILE:"], "--prompt=FILE:: No such file or directory"),
         ([ckpt, f"--prompt=FILE:{tmp_path}"], "Is a directory"),
         ([ckpt, "--bogus"], "unrecognized arguments: --bogus"),
