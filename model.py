@@ -47,9 +47,11 @@ class GPTConfig:
         if self.head_dim % 2:
             self.reject("head_dim", "even (RoPE rotates pairs of dimensions)")
         if not 1 < self.rope_theta < math.inf:  # NaN fails too
-            self.reject("rope_theta", "a finite number > 1, so that RoPE's frequencies theta^(-2i/d) fall from 1")
+            self.reject("rope_theta", "a finite number > 1, so that RoPE's frequencies theta^(-2i/d) "
+                                      "fall from 1")
         if self.n_embd != self.n_head * self.head_dim:
-            self.reject("n_embd", f"n_head * head_dim = {self.n_head} * {self.head_dim} = {self.n_head * self.head_dim}")
+            product = self.n_head * self.head_dim
+            self.reject("n_embd", f"n_head * head_dim = {self.n_head} * {self.head_dim} = {product}")
         ATTENTION[self.attn].check(self)
 
     def reject(self, field, allowed):
@@ -207,7 +209,8 @@ class Attention(nn.Module):
     def head_kv_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_K, W_V), each (H, d_h, d) in nn.Linear's layout: head h's key is x @ W_K[h].T before
         the QK norm and RoPE, its value x @ W_V[h].T. The source of a conversion."""
-        raise ValueError(f"--attn={self.attn_name()} gives no per-head key and value projections to convert from")
+        raise ValueError(f"--attn={self.attn_name()} gives no per-head key and value projections "
+                         "to convert from")
 
     def load_head_kv_weights(self, W_K: torch.Tensor, W_V: torch.Tensor) -> None:
         """Set this layer's key and value parameters from H per-head projections (head_kv_weights'
@@ -618,7 +621,8 @@ class MultiHeadLatentAttention(Attention):
         q_nope, q_rope = q[:, 0].split((d_h, self.rope_dim), dim=-1)  # (B, H, d_h), (B, H, d_R)
         W_up_k = self.W_up_k.weight.view(H, d_h, self.kv_lora_rank)
         q_latent = (q_nope.unsqueeze(2) @ W_up_k).squeeze(2)  # (B, H, d_c)
-        scores = torch.baddbmm(q_rope @ k_rope[:, :, 0].transpose(1, 2), q_latent, c.transpose(1, 2))  # (B, H, S)
+        rope_term = q_rope @ k_rope[:, :, 0].transpose(1, 2)  # (B, H, S)
+        scores = torch.baddbmm(rope_term, q_latent, c.transpose(1, 2))  # (B, H, S)
         scores = scores / (rho.transpose(1, 2) * math.sqrt(self.qk_dim))
         if mask is not None:  # a fixed-shape cache's unwritten positions (rho 0)
             scores = scores.masked_fill(~mask, float("-inf"))
@@ -629,8 +633,8 @@ class MultiHeadLatentAttention(Attention):
 
     def load_head_kv_weights(self, W_K, W_V):
         # MHA2MLA (Ji et al., 2025) first uptrains the source with RoPE on a few frequencies only
-        raise ValueError("MLA is not converted to: its keys' d_h position-free dims need keys that RoPE leaves "
-                         "alone, and per-head keys rotate every dim (docs/convert.md)")
+        raise ValueError("MLA is not converted to: its keys' d_h position-free dims need keys that RoPE "
+                         "leaves alone, and per-head keys rotate every dim (docs/convert.md)")
 
 
 # The variants, by the name that GPTConfig.attn (--attn) takes: the only list of them
@@ -734,7 +738,8 @@ class GPT(nn.Module):
         for field in ("n_embd", "n_head", "head_dim", "n_layer", "vocab_size"):
             if getattr(self.config, field) != getattr(source.config, field):
                 raise ValueError(f"the checkpoint has {field} = {getattr(source.config, field)}, this model "
-                                 f"{getattr(self.config, field)}: only the attention's keys and values convert")
+                                 f"{getattr(self.config, field)}: only the attention's keys and values"
+                                 " convert")
         ours, theirs = self.state_dict(), source.state_dict()
         if self.config.attn == source.config.attn and all(ours[k].shape == theirs[k].shape for k in ours):
             self.load_state_dict(theirs)
@@ -742,7 +747,8 @@ class GPT(nn.Module):
         for block, source_block in zip(self.blocks, source.blocks):
             block.attn.load_head_kv_weights(*source_block.attn.head_kv_weights())
         kept = ("wte.", "lm_head.", ".mlp.", ".attn.W_q.", ".attn.W_o.")
-        self.load_state_dict({k: v for k, v in theirs.items() if any(part in f".{k}" for part in kept)}, strict=False)
+        self.load_state_dict({k: v for k, v in theirs.items() if any(part in f".{k}" for part in kept)},
+                             strict=False)
 
     @torch.no_grad()
     def head_qk_weights(self):
@@ -804,7 +810,8 @@ class GPT(nn.Module):
         start = max(0, idx.size(1) - L)  # where the context begins in idx
         max_len = min(L, idx.size(1) + max_new_tokens)  # every cache's: the longest the context gets
         device = idx.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else self.lm_head.weight.dtype
+        autocast = torch.is_autocast_enabled(device)
+        dtype = torch.get_autocast_dtype(device) if autocast else self.lm_head.weight.dtype
         caches = None
         for _ in range(max_new_tokens):
             if idx.size(1) - start > L:

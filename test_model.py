@@ -59,9 +59,9 @@ class Table(dict):
     def __missing__(self, attn):
         lines = Path(__file__).read_text().splitlines()
         line = next(n for n, text in enumerate(lines, 1) if text.startswith(f"{self.name} = "))
-        pytest.fail(f"{self.name} has no entry for --attn={attn}: add one at test_model.py:{line} (or, for a "
-                    "variant defined in a test file, where that file registers its entries, as test_variant.py's "
-                    "REFERENCES)")
+        pytest.fail(f"{self.name} has no entry for --attn={attn}: add one at test_model.py:{line} (or, for "
+                    "a variant defined in a test file, where that file registers its entries, as "
+                    "test_variant.py's REFERENCES)")
 
 
 def grouped_keys_values(kv_heads):
@@ -90,7 +90,8 @@ def mla_keys_values(attn, x, config):
     k_nope = lin(c, attn.W_up_k).view(T, H, d_h)
     v_all = lin(c, attn.W_up_v).view(T, H, d_h)
     k_rope = lin(x[0], attn.W_kr)
-    return [torch.cat((k_nope[:, h], k_rope), -1) for h in range(H)], [v_all[:, h] for h in range(H)], config.rope_head_dim
+    keys = [torch.cat((k_nope[:, h], k_rope), -1) for h in range(H)]
+    return keys, [v_all[:, h] for h in range(H)], config.rope_head_dim
 
 
 # Each variant's keys and values from the paper's formulas, and how many of each key's last dims
@@ -130,7 +131,8 @@ def test_attention_matches_naive_reference(attn):
     rope = model.rope[:12]
     with torch.no_grad():
         fast = layer(x, rope)
-    torch.testing.assert_close(fast[0].double(), naive_attention(layer, x, model.config), atol=1e-5, rtol=1e-4)
+    naive = naive_attention(layer, x, model.config)
+    torch.testing.assert_close(fast[0].double(), naive, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("attn", ATTENTION)
@@ -240,7 +242,8 @@ def test_cached_rms_is_what_norm_divides_by(dtype, tol):
 # The weights that make each variant's keys: scaled down, they leave keys with a mean square far
 # below bf16's eps, where the QK norm (and the key RMS that LRKV and MLA cache) must keep its fp32 eps
 KEY_WEIGHTS = Table("KEY_WEIGHTS", {
-    "mha": ("W_k",), "gqa": ("W_k",), "mqa": ("W_k",), "lrkv": ("W_shared_k", "U_k"), "mla": ("W_up_k", "W_kr"),
+    "mha": ("W_k",), "gqa": ("W_k",), "mqa": ("W_k",),
+    "lrkv": ("W_shared_k", "U_k"), "mla": ("W_up_k", "W_kr"),
 })
 
 
@@ -327,7 +330,8 @@ def test_greedy_generation_is_the_same_with_and_without_cache(attn):
     assert torch.equal(cached, model.generate(prompt, 12, temperature=0, use_cache=False))
     sampled = model.generate(prompt, 12, temperature=0.8, top_k=5)
     assert sampled.shape == (2, 17) and sampled.max() < TINY.vocab_size
-    assert torch.equal(model.generate(prompt, 12, temperature=1.0, top_k=1), cached)  # top-1 sampling is greedy
+    top_1 = model.generate(prompt, 12, temperature=1.0, top_k=1)
+    assert torch.equal(top_1, cached)  # top-1 sampling is greedy
 
 
 def test_generation_draws_no_id_past_the_tokenizers_vocabulary():
@@ -420,13 +424,15 @@ def test_generation_allocates_exactly_the_predicted_cache(attn, monkeypatch):
     model = tiny_model(attn)
     allocated = []
     new_caches = model.new_caches
-    monkeypatch.setattr(model, "new_caches", lambda *a, **k: allocated.append(new_caches(*a, **k)) or allocated[-1])
+    monkeypatch.setattr(model, "new_caches",
+                        lambda *a, **k: allocated.append(new_caches(*a, **k)) or allocated[-1])
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model.generate(torch.zeros(3, 4, dtype=torch.long), 6)
     buffers = [b for cache in allocated[0] for b in cache.buffers()]
     assert all(b.dtype == torch.bfloat16 and b.shape[:2] == (3, 10) for b in buffers)
     assert sum(b.numel() * b.element_size() for b in buffers) == model.kv_cache_bytes(3, 10, torch.bfloat16)
-    assert model.kv_cache_bytes(3, 10, torch.bfloat16) == 2 * 3 * 10 * TINY.n_layer * model.kv_cache_elements_per_token()
+    elements = 3 * 10 * TINY.n_layer * model.kv_cache_elements_per_token()
+    assert model.kv_cache_bytes(3, 10, torch.bfloat16) == 2 * elements
 
 
 def test_caches_default_to_the_weights_dtype():
@@ -443,9 +449,10 @@ ATTENTION_PARAMS = Table("ATTENTION_PARAMS", {
     "mha": lambda c: (2 * c.n_head * c.n_embd * c.head_dim, c.head_dim),
     "gqa": lambda c: (2 * c.n_kv_head * c.n_embd * c.head_dim, c.head_dim),
     "mqa": lambda c: (2 * c.n_embd * c.head_dim, c.head_dim),
-    "lrkv": lambda c: (2 * c.n_embd * c.head_dim + 2 * c.n_head * c.lrkv_rank * (c.n_embd + c.head_dim), c.head_dim),
-    "mla": lambda c: (c.n_embd * c.kv_lora_rank + 2 * c.kv_lora_rank * c.n_head * c.head_dim + c.n_embd * c.rope_head_dim,
-                      c.head_dim + c.rope_head_dim),
+    "lrkv": lambda c: (2 * c.n_embd * c.head_dim + 2 * c.n_head * c.lrkv_rank * (c.n_embd + c.head_dim),
+                       c.head_dim),
+    "mla": lambda c: (c.n_embd * c.kv_lora_rank + 2 * c.kv_lora_rank * c.n_head * c.head_dim
+                      + c.n_embd * c.rope_head_dim, c.head_dim + c.rope_head_dim),
 })
 
 
@@ -465,11 +472,13 @@ def test_parameter_and_flop_counts_follow_each_variants_formula(attn):
 
 
 def grouped_head_keys(layer, x, c):
-    return layer.W_k(x).view(len(x), layer.n_kv_head, c.head_dim).repeat_interleave(c.n_head // layer.n_kv_head, dim=1)
+    G = layer.n_kv_head
+    return layer.W_k(x).view(len(x), G, c.head_dim).repeat_interleave(c.n_head // G, dim=1)
 
 
 def lrkv_head_keys(layer, x, c):
-    return layer.W_shared_k(x)[:, None] + layer.residual(layer.U_k(x).view(1, len(x), c.n_head, c.lrkv_rank), layer.B_k)[0]
+    r_k = layer.U_k(x).view(1, len(x), c.n_head, c.lrkv_rank)
+    return layer.W_shared_k(x)[:, None] + layer.residual(r_k, layer.B_k)[0]
 
 
 def mla_head_keys(layer, x, c):  # the latent norm taken as identity
@@ -502,7 +511,8 @@ def test_head_qk_weights_match_each_variants_projections(attn):
 
 def test_the_readme_names_every_reference_table():
     """README.md's "Adding a variant" lists every table that a new variant needs an entry in."""
-    section = (Path(__file__).parent / "README.md").read_text().split("## Adding a variant")[1].split("\n## ")[0]
+    readme = (Path(__file__).parent / "README.md").read_text()
+    section = readme.split("## Adding a variant")[1].split("\n## ")[0]
     tables = [name for name, value in globals().items() if isinstance(value, Table)]
     assert tables and [name for name in tables if f"`{name}`" not in section] == []
 

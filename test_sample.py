@@ -95,7 +95,8 @@ def fake_stream(monkeypatch, tokens, before_each=lambda: None):
 def test_the_flags_reach_stream(capsys, monkeypatch, ckpt):
     calls = fake_stream(monkeypatch, [])[1]
     run(capsys, ckpt)
-    run(capsys, ckpt, f"--prompt={PROMPT}", "--temperature=0.5", "--top_k=none", "--no_cache", "--num_samples=2")
+    run(capsys, ckpt, f"--prompt={PROMPT}", "--temperature=0.5", "--top_k=none", "--no_cache",
+        "--num_samples=2")
     run(capsys, ckpt, "--compile")
     assert calls == ([([[BYTES.eot_id]], NEW, 0.8, 200, True, None)]
                      + [([[BYTES.eot_id, *PROMPT.encode()]], NEW, 0.5, None, False, None)] * 2
@@ -126,7 +127,8 @@ def test_the_last_line_reports_speed_and_kv_cache_bytes(capsys, ckpt):
         model = train.load_checkpoint(ckpt, "cpu")[1].to(dtype)
         size = model.kv_cache_bytes(1, 1 + NEW, dtype)  # the default prompt is one end-of-text token
         assert size < 2**20
-        match = re.fullmatch(stats + re.escape(f"KV cache {size / 2**10:.1f} KiB ({name}, 1 x {1 + NEW} tokens)\n"), last)
+        cache = f"KV cache {size / 2**10:.1f} KiB ({name}, 1 x {1 + NEW} tokens)\n"
+        match = re.fullmatch(stats + re.escape(cache), last)
         assert match and int(match[1]) == reference(model, "", temperature=0)[1] and int(match[3]) > 0, last
     assert re.fullmatch(stats + r"no KV cache \(--no_cache\)\n", run(capsys, ckpt, "--no_cache")[1])
 
@@ -149,7 +151,8 @@ def bad_inputs(ckpt, tmp_path):
     """(arguments, what the error line says) for each kind of bad input."""
     junk, untokenized = tmp_path / "junk.pt", tmp_path / "old.pt"
     junk.write_bytes(b"not a checkpoint")
-    torch.save({k: v for k, v in torch.load(ckpt, weights_only=True).items() if k != "tokenizer"}, untokenized)
+    saved = torch.load(ckpt, weights_only=True)
+    torch.save({k: v for k, v in saved.items() if k != "tokenizer"}, untokenized)
     unavailable = "mps" if torch.cuda.is_available() else "cuda"
     return [
         ([tmp_path / "missing.pt"], "missing.pt: No such file or directory"),
@@ -169,14 +172,17 @@ def bad_inputs(ckpt, tmp_path):
 
 def test_bad_input_is_one_line_and_exit_code_2(capsys, ckpt, tmp_path):
     for args, says in bad_inputs(ckpt, tmp_path):
-        assert sample.main(["--device=cpu", *map(str, args)]) == 2, args  # a --device in args comes later: it wins
+        # a --device in args comes later: it wins
+        assert sample.main(["--device=cpu", *map(str, args)]) == 2, args
         out, err = capsys.readouterr()
-        assert out == "" and err.count("\n") == 1 and err.startswith("sample.py: ") and says in err, (args, err)
+        assert out == "" and err.count("\n") == 1, (args, err)
+        assert err.startswith("sample.py: ") and says in err, (args, err)
 
 
 def test_bad_input_from_the_command_line(ckpt, tmp_path):
     # one case: the script's exit code and stderr are main()'s, and each start imports torch for seconds
     args, says = bad_inputs(ckpt, tmp_path)[1]  # the junk checkpoint
-    result = subprocess.run([sys.executable, "sample.py", *map(str, args)], cwd=REPO, capture_output=True, text=True,
-                            timeout=60)
-    assert result.returncode == 2 and result.stdout == "" and result.stderr.count("\n") == 1 and says in result.stderr
+    result = subprocess.run([sys.executable, "sample.py", *map(str, args)], cwd=REPO, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and says in result.stderr
