@@ -388,9 +388,9 @@ class LowRankKVAttention(Attention):
         token's attention through key_scores and attend_values, without building any cached
         position's key or value, or several tokens' through every head's keys and values."""
         q = self.queries(x, rope)
-        keys, values = self.key_entries(x, rope), self.value_entries(x)
-        cached = cache.update(**keys, **values)
-        keys, values = cached[:len(keys)], cached[len(keys):]
+        new_keys, new_values = self.key_entries(x, rope), self.value_entries(x)
+        cached = cache.update(**new_keys, **new_values)
+        keys, values = cached[:len(new_keys)], cached[len(new_keys):]  # each half's, at every position
         S = cached[0].size(1)
         if x.size(1) == 1:
             scores = self.key_scores(q, *keys, cache.rope[:S])  # (B, H, S)
