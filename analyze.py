@@ -136,7 +136,8 @@ def analyze(path):
         "init_from": init_from,
         "init_from_args": source_args(init_from),
         # a run from --init_from evaluates the converted model at step 0, before any update
-        "start": next(({k: r[k] for k in ("val_loss", "val_bpb")} for r in records if r["step"] == 0 and "val_loss" in r), None),
+        "start": next(({k: r[k] for k in ("val_loss", "val_bpb")} for r in records
+                       if r["step"] == 0 and "val_loss" in r), None),
         "rank_energy": rank_energy(model),
         "effective_rank": [effective_rank(G) for G in similarity],
         "effective_rank_centered": [effective_rank(G, centered=True) for G in similarity],
@@ -176,10 +177,11 @@ def legend_labels(configs, runs):
         if run["init_from_args"] is None:
             return ", from a checkpoint"
         return ", uptrained" if run["init_from_args"] == dataclasses.asdict(config) else ", converted"
-    names = [ATTENTION[c.attn].legend_label(c, [peer for peer in configs if peer.attn == c.attn]) + started(c, run)
-             for c, run in zip(configs, runs)]
+    names = [ATTENTION[c.attn].legend_label(c, [peer for peer in configs if peer.attn == c.attn])
+             + started(c, run) for c, run in zip(configs, runs)]
     ckpts = [run["ckpt"] for run in runs]
-    return [f"{name} ({Path(ckpt).parent})" if names.count(name) > 1 else name for name, ckpt in zip(names, ckpts)]
+    return [f"{name} ({Path(ckpt).parent})" if names.count(name) > 1 else name
+            for name, ckpt in zip(names, ckpts)]
 
 
 def model_size(n_params):
@@ -232,10 +234,12 @@ def plot_head_correlation(runs, layer):
     if layer == "mean":
         panels, which = [s.mean(0) for s in similarity], "mean over layers"
     elif layer is None and (index := most_different_layer(runs)) is not None:
-        panels, which = [s[index] for s in similarity], f"layer {index}, where the runs' effective ranks differ most"
+        panels = [s[index] for s in similarity]
+        which = f"layer {index}, where the runs' effective ranks differ most"
     else:
         index = [run["n_layer"] // 2 if layer is None else layer % run["n_layer"] for run in runs]
-        panels, which = [s[i] for s, i in zip(similarity, index)], "layer " + ", ".join(map(str, sorted(set(index))))
+        panels = [s[i] for s, i in zip(similarity, index)]
+        which = "layer " + ", ".join(map(str, sorted(set(index))))
     fig = Figure(figsize=(2.3 * len(runs) + 1, 3), layout="constrained")
     axes = fig.subplots(1, len(runs), squeeze=False)[0]
     for ax, run, G in zip(axes, runs, panels):
@@ -268,13 +272,15 @@ def plot_kv_tradeoff(runs):
     fig = Figure(figsize=(4 * len(metrics) + 2, 3.6), layout="constrained")
     axes = fig.subplots(1, len(metrics), squeeze=False)[0]
     for ax, (key, name) in zip(axes, metrics):
-        points = [(100 * run["kv_cache_fraction"], run[key], i) for i, run in enumerate(runs) if run[key] is not None]
+        points = [(100 * run["kv_cache_fraction"], run[key], i) for i, run in enumerate(runs)
+                  if run[key] is not None]
         for x, y, i in points:
             start = runs[i]["start"]
             marker = "D" if runs[i]["init_from"] else "o"
             ax.scatter(x, y, color=runs[i]["color"], marker=marker, label=runs[i]["label"], zorder=3)
             if start is not None:  # where a converted run began, before uptraining
-                ax.scatter(x, start[key], facecolors="none", edgecolors=runs[i]["color"], marker=marker, zorder=3)
+                ax.scatter(x, start[key], facecolors="none", edgecolors=runs[i]["color"], marker=marker,
+                           zorder=3)
                 ax.plot([x, x], [start[key], y], color=runs[i]["color"], linestyle=":", zorder=2)
         front = pareto_front([(x, y) for x, y, _ in points])
         ax.plot(*zip(*front), color="gray", linestyle="--", zorder=2, label="Pareto front")
@@ -318,7 +324,8 @@ def plot_rank_energy(run, head_dim):
     for ax, name in zip(axes, ("keys", "values")):
         layers = run["rank_energy"][name]
         for layer, kept in enumerate(layers):
-            shade = colormaps["viridis"](0.9 * layer / max(1, len(layers) - 1))  # first layer dark, last light
+            # the first layer dark, the last light
+            shade = colormaps["viridis"](0.9 * layer / max(1, len(layers) - 1))
             ax.plot(ranks, kept, marker="o", markersize=3, color=shade, label=f"layer {layer}")
         for paper_r, style in ((16, ":"), (46, "--"), (64, "-.")):
             ax.axvline(paper_r * head_dim / 128, color="gray", linestyle=style,
@@ -336,7 +343,8 @@ def plot_rank_energy(run, head_dim):
 
 def print_table(runs):
     converted = any(run["start"] for run in runs)
-    rows = [("", "params", "KV elements/token/layer", "% of MHA", *(["val loss at step 0"] if converted else []),
+    rows = [("", "params", "KV elements/token/layer", "% of MHA",
+             *(["val loss at step 0"] if converted else []),
              "val loss", "val BPB", "eff. rank (% of H)", "centred (% of H)")]
     for run in runs:
         mean_ranks = [sum(run[key]) / run["n_layer"] for key in ("effective_rank", "effective_rank_centered")]
@@ -352,7 +360,8 @@ def print_table(runs):
         ))
     widths = [max(len(row[col]) for row in rows) for col in range(len(rows[0]))]
     for row in rows:
-        print("  ".join([row[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(row[1:], widths[1:])]))
+        cells = [row[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(row[1:], widths[1:])]
+        print("  ".join(cells))
 
 
 def index_or_mean(value):
@@ -360,19 +369,21 @@ def index_or_mean(value):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Head diversity of GPT checkpoints, from their weights alone.")
+    parser = argparse.ArgumentParser(
+        description="Head diversity of GPT checkpoints, from their weights alone.")
     parser.add_argument("ckpts", nargs="+", help="checkpoints, or folders holding */ckpt.pt")
     parser.add_argument("--out_dir", type=Path,
-                        help="where the figures and analysis.json go (default: the first argument if it is a folder, "
-                        "else the first checkpoint's folder)")
+                        help="where the figures and analysis.json go (default: the first argument if it is "
+                        "a folder, else the first checkpoint's folder)")
     # The paper does not say which layer its heatmaps show. Default: the one where the runs differ
     # most, which is where the variants' heads tell them apart. Not the mean:
     # any order of a layer's heads is the same model, so head i of one layer has nothing to do
     # with head i of the next, and averaging over layers blurs real pairs of heads toward 0.
-    parser.add_argument("--layer", type=index_or_mean, help="layer of head_correlation.png: an index, or 'mean' of "
-                        "the layers' similarity matrices (default: the layer where the runs' effective ranks "
-                        "differ most)")
-    parser.add_argument("--centered", action="store_true", help="plot the PCA-based (double-centred) effective rank")
+    parser.add_argument("--layer", type=index_or_mean,
+                        help="layer of head_correlation.png: an index, or 'mean' of the layers' similarity "
+                        "matrices (default: the layer where the runs' effective ranks differ most)")
+    parser.add_argument("--centered", action="store_true",
+                        help="plot the PCA-based (double-centred) effective rank")
     args = parser.parse_args(argv)
 
     paths = []
@@ -383,10 +394,12 @@ def main(argv=None):
         paths += found
     # runs from scratch first, then converted ones, each in the paper's legend order
     analysed = sorted((analyze(path) for path in paths),
-                      key=lambda config_run: (config_run[1]["init_from"] is not None, legend_key(config_run[0])))
+                      key=lambda config_run: (config_run[1]["init_from"] is not None,
+                                              legend_key(config_run[0])))
     configs, runs = zip(*analysed)
     labels = legend_labels(configs, runs)
-    runs = [{"label": label, "color": color, **run} for label, color, run in zip(labels, colors(labels), runs)]
+    runs = [{"label": label, "color": color, **run}
+            for label, color, run in zip(labels, colors(labels), runs)]
     if isinstance(args.layer, int):
         for run in runs:
             if not -run["n_layer"] <= args.layer < run["n_layer"]:
@@ -402,7 +415,8 @@ def main(argv=None):
         "kv_tradeoff.png": plot_kv_tradeoff(runs),
         "loss_curves.png": plot_loss_curves(runs),
     }
-    mha = next((run for run in runs if run["attn"] == "mha" and run["rank_energy"] and not run["init_from"]), None)
+    mha = next((run for run in runs if run["attn"] == "mha" and run["rank_energy"] and not run["init_from"]),
+               None)
     if mha is not None:
         figures["rank_energy.png"] = plot_rank_energy(mha, len(mha["rank_energy"]["keys"][0]))
     needs = {"kv_tradeoff.png": "validation numbers", "loss_curves.png": "a log.jsonl beside it"}

@@ -15,8 +15,8 @@ MHA's. At the shortest context, generate() with and without the cache shows what
 buys. Decoding holds weights and cache alike in the native dtype, as a server would (autocast
 would re-cast every weight at every token). Eager, the caches grow by one position a step and on
 a GPU every step pays its kernel launches; compiled, the step runs on fixed shapes
-(model.compiled_step: the whole cache under a position mask), as one CUDA graph on a GPU; the
-seconds its compiling takes are reported apart.
+(fast_decode.py: the whole cache under a position mask), as one CUDA graph on a GPU; the seconds
+its compiling takes are reported apart.
 
     python bench.py --preset=cpu
     python bench.py --preset=128m --device=cuda --check --out=bench_gpu.json
@@ -41,7 +41,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from model import ATTENTION, GPT, GPTConfig, compiled_step, fix
+from fast_decode import compiled_step, fix
+from model import ATTENTION, GPT, GPTConfig
 from prepare_data import atomic_open
 from train import PRECISION_NAMES, TrainConfig, configure_optimizers, native_dtype, optimizer_step, peak_flops
 
@@ -60,7 +61,8 @@ PRESETS = {
     # For the test: seconds on a CPU.
     "tiny": dict(model=dict(block_size=64, vocab_size=256, n_layer=2, n_head=4, n_embd=64, head_dim=16,
                             n_kv_head=2, kv_lora_rank=16, rope_head_dim=8, lrkv_rank=4),
-                 batch_size=2, seq_len=64, warmup=1, steps=2, decode_batch=2, contexts=(32, 64), new_tokens=4),
+                 batch_size=2, seq_len=64, warmup=1, steps=2, decode_batch=2, contexts=(32, 64),
+                 new_tokens=4),
 }
 # Every row is relative to the registry's first variant, MHA, as the paper compares everything with
 # it; the JSON keys x_mha and cache_pct_mha say so
@@ -137,7 +139,8 @@ def sdpa_in_use(forward, x, y, autocast):
                  if e.key.startswith("aten::_scaled_dot_product_"))
     # inductor names its own kernels after the ops they feed: leave them out
     kernels = sorted(e.key[:120] for e in events if e.device_type == DeviceType.CUDA
-                     and re.search("flash|cudnn|fmha|sdpa", e.key, re.IGNORECASE) and not e.key.startswith("triton_"))
+                     and re.search("flash|cudnn|fmha|sdpa", e.key, re.IGNORECASE)
+                     and not e.key.startswith("triton_"))
     return dict(ops=ops, kernels=kernels)
 
 
@@ -198,10 +201,10 @@ def bench_train(config, preset, device, dtype, compile, profile):
     ms = 1000 * statistics.median(steps[preset["warmup"]:])
     tokens_per_s = B * T * 1000 / ms
     peak = peak_flops(device)
+    mfu = model.flops_per_token(T) * tokens_per_s / peak if peak else None
+    memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return dict(ms_per_step=ms, optimizer_ms=1000 * statistics.median(optimizer_times[preset["warmup"]:]),
-                tokens_per_s=tokens_per_s, mfu=model.flops_per_token(T) * tokens_per_s / peak if peak else None,
-                max_memory_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
-                sdpa=sdpa)
+                tokens_per_s=tokens_per_s, mfu=mfu, max_memory_gib=memory, sdpa=sdpa)
 
 
 @torch.inference_mode()
@@ -266,8 +269,9 @@ def bench_decode(configs, preset, device, dtype, compiled, measured=lambda rows:
             seconds[use_cache, new] = clock(device) - t0
         cached, uncached = 1000 * seconds[True, n] / n, 1000 * seconds[False, n] / n
         step = 1000 * (seconds[True, n] - seconds[True, 1]) / (n - 1)
-        result[attn] = rows[attn], dict(context=preset["contexts"][0], new_tokens=n, cached_ms_per_token=cached,
-                                        cached_ms_per_step=step, uncached_ms_per_token=uncached, speedup=uncached / cached)
+        result[attn] = rows[attn], dict(context=preset["contexts"][0], new_tokens=n,
+                                        cached_ms_per_token=cached, cached_ms_per_step=step,
+                                        uncached_ms_per_token=uncached, speedup=uncached / cached)
     return result
 
 
@@ -277,25 +281,25 @@ def compiled_rounds(models, state, n, device):
     the CUDA graph; the seconds of the first, less a step, are the compile time), then
     DECODE_ROUNDS interleaved rounds of n steps back to back, the median round."""
     torch._dynamo.reset()  # a graph per variant and context: more than dynamo keeps for one function
-    times, compile_s = {}, {}
+    times, compile_s, fixed = {}, {}, {}
     for attn, (caches, start, token, _, _) in state.items():
         for cache in caches:
             cache.pos = start
-        fix(caches)
+        fixed[attn] = fix(caches)
         seconds = []
         for _ in range(DECODE_WARMUP):
             t0 = clock(device)
-            compiled_step(models[attn], token, caches)
+            compiled_step(models[attn], token, fixed[attn])
             seconds.append(clock(device) - t0)
         compile_s[attn] = seconds[0] - seconds[-1]
         times[attn] = []
     for _ in range(DECODE_ROUNDS):
-        for attn, (caches, start, token, _, _) in state.items():
-            caches[0].pos.fill_(start)
+        for attn, (_, start, token, _, _) in state.items():
+            fixed[attn][0].pos.fill_(start)
             t0 = clock(device)
             for _ in range(n):
-                token = compiled_step(models[attn], token, caches).argmax(-1, keepdim=True)
-                caches[0].pos += 1
+                token = compiled_step(models[attn], token, fixed[attn]).argmax(-1, keepdim=True)
+                fixed[attn][0].pos += 1
             times[attn].append((clock(device) - t0) / n)
     return {attn: (1000 * statistics.median(t), compile_s[attn]) for attn, t in times.items()}
 
@@ -306,41 +310,48 @@ def save(result, path):
 
 
 def backend_times(ms):
-    return ", ".join(f"{name} {t:.1f} ms" if isinstance(t, float) else f"{name}: {t}" for name, t in ms.items())
+    return ", ".join(f"{name} {t:.1f} ms" if isinstance(t, float) else f"{name}: {t}"
+                     for name, t in ms.items())
 
 
 def markdown(result):
     variants, tr, de = result["variants"], result["train"], result["decode"]
-    lines = [f"bench.py --preset={result['preset']}: {result['device']}, torch {result['torch']}, {result['date']}"]
+    lines = [f"bench.py --preset={result['preset']}: {result['device']}, torch {result['torch']}, "
+             f"{result['date']}"]
     if "train" in variants[BASELINE]:
-        lines += ["", f"Training: {tr['batch_size']} x {tr['seq_len']} tokens a step, {tr['dtype']}, "
-                      f"{'compiled' if tr['compile'] else 'eager'}, median of {tr['steps']} steps after {tr['warmup']}", "",
-                  "| variant | ms/step | of which optimizer | tokens/s | MFU | x MHA |", "|---|---:|---:|---:|---:|---:|"]
+        mode = "compiled" if tr["compile"] else "eager"
+        lines += ["", f"Training: {tr['batch_size']} x {tr['seq_len']} tokens a step, {tr['dtype']}, {mode}, "
+                      f"median of {tr['steps']} steps after {tr['warmup']}", "",
+                  "| variant | ms/step | of which optimizer | tokens/s | MFU | x MHA |",
+                  "|---|---:|---:|---:|---:|---:|"]
         for name, v in variants.items():
             t = v["train"]
             mfu = "-" if t["mfu"] is None else f"{100 * t['mfu']:.1f}%"
-            lines.append(f"| {name} | {t['ms_per_step']:.1f} | {t['optimizer_ms']:.1f} | {t['tokens_per_s']:,.0f} | "
-                         f"{mfu} | {t['x_mha']:.2f} |")
+            lines.append(f"| {name} | {t['ms_per_step']:.1f} | {t['optimizer_ms']:.1f} | "
+                         f"{t['tokens_per_s']:,.0f} | {mfu} | {t['x_mha']:.2f} |")
     if "decode" in variants[BASELINE]:
-        lines += ["", f"Decoding: batch {de['batch_size']}, {de['dtype']}, the {de['new_tokens']} new tokens that fill the "
-                      f"cache up to the context, every variant in turn in each of {de['rounds']} rounds; ms/token: back to "
-                      "back, one sync, median round; a step alone: synced before and after, median step", "",
-                  "| variant | context | ms/token | tokens/s | ms a step alone | compiled ms/token | x MHA compiled | "
-                  "compiling, s | cache MiB | % of MHA cache | x MHA time |",
+        lines += ["", f"Decoding: batch {de['batch_size']}, {de['dtype']}, the {de['new_tokens']} new tokens "
+                      "that fill the cache up to the context, every variant in turn in each of "
+                      f"{de['rounds']} rounds; ms/token: back to back, one sync, median round; a step alone: "
+                      "synced before and after, median step", "",
+                  "| variant | context | ms/token | tokens/s | ms a step alone | compiled ms/token | "
+                  "x MHA compiled | compiling, s | cache MiB | % of MHA cache | x MHA time |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for name, v in variants.items():
             for d in v["decode"]:
                 compiled = "-" if d["compiled_ms_per_token"] is None else f"{d['compiled_ms_per_token']:.2f}"
                 x_compiled = "-" if d["compiled_x_mha"] is None else f"{d['compiled_x_mha']:.2f}"
                 compile_s = "-" if d["compile_s"] is None else f"{d['compile_s']:.1f}"
-                lines.append(f"| {name} | {d['context']} | {d['ms_per_token']:.2f} | {d['tokens_per_s']:,.0f} | "
-                             f"{d['step_alone_ms_per_token']:.2f} | {compiled} | {x_compiled} | {compile_s} | "
-                             f"{d['cache_mib']:.1f} | "
+                lines.append(f"| {name} | {d['context']} | {d['ms_per_token']:.2f} | "
+                             f"{d['tokens_per_s']:,.0f} | {d['step_alone_ms_per_token']:.2f} | {compiled} | "
+                             f"{x_compiled} | {compile_s} | {d['cache_mib']:.1f} | "
                              f"{d['cache_pct_mha']:.1f} | {d['x_mha']:.2f} |")
-        lines += ["", f"generate() with and without the cache: batch {de['batch_size']}, {de['new_tokens']} new tokens "
-                      f"after {de['contexts'][0] - de['new_tokens']}, ms per new token, prefill included, and per step "
-                      f"(the {de['new_tokens']}-token call less a 1-token call, per extra token)", "",
-                  "| variant | cached | cached, per step | uncached | cache speedup |", "|---|---:|---:|---:|---:|"]
+        n = de["new_tokens"]
+        lines += ["", f"generate() with and without the cache: batch {de['batch_size']}, {n} new tokens "
+                      f"after {de['contexts'][0] - n}, ms per new token, prefill included, and per step "
+                      f"(the {n}-token call less a 1-token call, per extra token)", "",
+                  "| variant | cached | cached, per step | uncached | cache speedup |",
+                  "|---|---:|---:|---:|---:|"]
         for name, v in variants.items():
             u = v["uncached"]
             lines.append(f"| {name} | {u['cached_ms_per_token']:.2f} | {u['cached_ms_per_step']:.2f} | "
@@ -351,10 +362,12 @@ def markdown(result):
         for name, v in variants.items():
             ch, sdpa = v["check"], v.get("train", {}).get("sdpa")
             used = "-" if sdpa is None else ", ".join(sdpa["ops"]) or "math"
+            verdict = "ok" if ch["decode_rel_err"] < ch["decode_tol"] else "FAIL"
             lines.append(f"| {name} | {ch['flash_error'] or 'ok'} | {used} | {ch['decode_rel_err']:.1e} "
-                         f"({'ok' if ch['decode_rel_err'] < ch['decode_tol'] else 'FAIL'}: tolerance {ch['decode_tol']:.0e}) |")
+                         f"({verdict}: tolerance {ch['decode_tol']:.0e}) |")
     if "mha_sdpa_ms" in result:
-        lines += ["", f"MHA's forward and backward, eager, per SDPA backend: {backend_times(result['mha_sdpa_ms'])}"]
+        lines += ["", "MHA's forward and backward, eager, per SDPA backend: "
+                      f"{backend_times(result['mha_sdpa_ms'])}"]
     return "\n".join(lines)
 
 
@@ -373,11 +386,13 @@ def main(argv=None):
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.compile the training step (default: on CUDA)")
     parser.add_argument("--compiled_decode", action=argparse.BooleanOptionalAction, default=True,
-                        help="also time the compiled fixed-shape decode step (compiling takes seconds to minutes)")
+                        help="also time the compiled fixed-shape decode step (compiling takes seconds to "
+                             "minutes)")
     parser.add_argument("--check", action="store_true",
-                        help="also check flash attention and cached decoding; on a GPU, record which attention "
-                             "kernels training runs and time MHA with each SDPA backend")
-    parser.add_argument("--only", choices=("train", "decode"), help="measure training or decoding alone (default: both)")
+                        help="also check flash attention and cached decoding; on a GPU, record which "
+                             "attention kernels training runs and time MHA with each SDPA backend")
+    parser.add_argument("--only", choices=("train", "decode"),
+                        help="measure training or decoding alone (default: both)")
     parser.add_argument("--attn", type=variants, default=list(ATTENTION),
                         help="comma-separated variants, measured in this order after MHA, which every row is "
                              "relative to (default: all)")
@@ -391,17 +406,25 @@ def main(argv=None):
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # as train.py: TF32 where autocast leaves fp32
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
     result = dict(
-        preset=args.preset, date=datetime.now(timezone.utc).isoformat(timespec="seconds"), device=name, torch=torch.__version__, config={k: v for k, v in asdict(GPTConfig(**preset["model"])).items() if k != "attn"},
-        train=dict(batch_size=preset["batch_size"], seq_len=preset["seq_len"], warmup=preset["warmup"], steps=preset["steps"],
-                   dtype=f"{precision} autocast" if dtype == torch.bfloat16 else precision, compile=compile),
-        decode=dict(batch_size=preset["decode_batch"], contexts=list(preset["contexts"]), new_tokens=preset["new_tokens"],
-                    rounds=DECODE_ROUNDS, dtype=str(dtype).removeprefix("torch.")),
+        preset=args.preset, date=datetime.now(timezone.utc).isoformat(timespec="seconds"), device=name,
+        torch=torch.__version__,
+        config={k: v for k, v in asdict(GPTConfig(**preset["model"])).items() if k != "attn"},
+        train=dict(batch_size=preset["batch_size"], seq_len=preset["seq_len"], warmup=preset["warmup"],
+                   steps=preset["steps"], compile=compile,
+                   dtype=f"{precision} autocast" if dtype == torch.bfloat16 else precision),
+        decode=dict(batch_size=preset["decode_batch"], contexts=list(preset["contexts"]),
+                    new_tokens=preset["new_tokens"], rounds=DECODE_ROUNDS,
+                    dtype=str(dtype).removeprefix("torch.")),
         variants={},
     )
     if args.check and device.type == "cuda":
-        ms = result["mha_sdpa_ms"] = sdpa_backend_ms(GPTConfig(attn=BASELINE, **preset["model"]), preset, device)
+        baseline = GPTConfig(attn=BASELINE, **preset["model"])
+        ms = result["mha_sdpa_ms"] = sdpa_backend_ms(baseline, preset, device)
         log(f"{BASELINE}, eager, per SDPA backend: {backend_times(ms)}")
         save(result, args.out)
     for attn in dict.fromkeys((BASELINE, *args.attn)):
@@ -410,15 +433,17 @@ def main(argv=None):
         if args.check:
             row["check"] = check(config, preset, device, dtype)
             ch = row["check"]
-            log(f"{attn}: flash attention {ch['flash_error'] or 'ok'}; cached vs full logits {ch['decode_rel_err']:.1e}")
+            log(f"{attn}: flash attention {ch['flash_error'] or 'ok'}; "
+                f"cached vs full logits {ch['decode_rel_err']:.1e}")
         if args.only != "decode":
             log(f"{attn}: training")
             row["train"] = bench_train(config, preset, device, dtype, compile, profile=args.check)
-            row["train"]["x_mha"] = row["train"]["ms_per_step"] / result["variants"][BASELINE]["train"]["ms_per_step"]
             t = row["train"]
-            log(f"{attn}: {t['ms_per_step']:.1f} ms/step ({t['optimizer_ms']:.1f} optimizer), {t['tokens_per_s']:,.0f} tokens/s"
-                + (f", MFU {100 * t['mfu']:.1f}%, {t['max_memory_gib']:.1f} GiB" if t["mfu"] is not None else "")
-                + (f", attention: {', '.join(t['sdpa']['ops']) or 'math'}" if t["sdpa"] else ""))
+            t["x_mha"] = t["ms_per_step"] / result["variants"][BASELINE]["train"]["ms_per_step"]
+            mfu = "" if t["mfu"] is None else f", MFU {100 * t['mfu']:.1f}%, {t['max_memory_gib']:.1f} GiB"
+            sdpa = f", attention: {', '.join(t['sdpa']['ops']) or 'math'}" if t["sdpa"] else ""
+            log(f"{attn}: {t['ms_per_step']:.1f} ms/step ({t['optimizer_ms']:.1f} optimizer), "
+                f"{t['tokens_per_s']:,.0f} tokens/s{mfu}{sdpa}")
             if compile:
                 torch._dynamo.reset()  # five models' graphs in one process would exhaust dynamo's caches
             if device.type == "cuda":
@@ -441,12 +466,11 @@ def main(argv=None):
                 d["x_mha"] = d["ms_per_token"] / m["ms_per_token"]
                 d["compiled_x_mha"] = (d["compiled_ms_per_token"] / m["compiled_ms_per_token"]
                                        if d["compiled_ms_per_token"] is not None else None)
-            log(f"{attn}: decoding " + ", ".join(f"{d['ms_per_token']:.2f} ms/token ({d['step_alone_ms_per_token']:.2f} "
-                                                 f"a step alone" + (f", compiled {d['compiled_ms_per_token']:.2f} "
-                                                                     f"after {d['compile_s']:.1f} s compiling"
-                                                                     if d["compiled_ms_per_token"] else "")
-                                                 + f") at {d['context']}" for d in rows)
-                + f"; without the cache {uncached['speedup']:.1f}x the time")
+            times = [f"{d['ms_per_token']:.2f} ms/token ({d['step_alone_ms_per_token']:.2f} a step alone"
+                     + (f", compiled {d['compiled_ms_per_token']:.2f} after {d['compile_s']:.1f} s compiling"
+                        if d["compiled_ms_per_token"] else "")
+                     + f") at {d['context']}" for d in rows]
+            log(f"{attn}: decoding {', '.join(times)}; without the cache {uncached['speedup']:.1f}x the time")
         save(result, args.out)
     print(markdown(result))
     log(f"wrote {args.out}; {time.perf_counter() - T0:.0f} s in all")

@@ -12,7 +12,7 @@ what decoding adds and by its conversion from per-head projections; the GPT; the
 the per-layer memory that decoding fills (Attention.cache_shapes says what goes in it).
 Training runs one F.scaled_dot_product_attention call per layer over full per-head keys and
 values. Decoding caches only what each variant needs; LRKV and MLA rebuild keys from it only
-for several tokens at once, and a single new token goes through their exact decode_step,
+for several tokens at once, and a single new token goes through their exact single-token step,
 which builds no cached position's key.
 """
 
@@ -47,9 +47,11 @@ class GPTConfig:
         if self.head_dim % 2:
             self.reject("head_dim", "even (RoPE rotates pairs of dimensions)")
         if not 1 < self.rope_theta < math.inf:  # NaN fails too
-            self.reject("rope_theta", "a finite number > 1, so that RoPE's frequencies theta^(-2i/d) fall from 1")
+            self.reject("rope_theta", "a finite number > 1, so that RoPE's frequencies theta^(-2i/d) "
+                                      "fall from 1")
         if self.n_embd != self.n_head * self.head_dim:
-            self.reject("n_embd", f"n_head * head_dim = {self.n_head} * {self.head_dim} = {self.n_head * self.head_dim}")
+            product = self.n_head * self.head_dim
+            self.reject("n_embd", f"n_head * head_dim = {self.n_head} * {self.head_dim} = {product}")
         ATTENTION[self.attn].check(self)
 
     def reject(self, field, allowed):
@@ -126,8 +128,9 @@ class Attention(nn.Module):
         """This layer's attention output (B, T, d), W_o applied, for the normalised input x (B, T, d).
         rope: the rope_table rows of x's T positions. With a cache (a KVCache of cache_shapes), x
         continues the cached prefix: pass x's entries to cache.update, which appends them and
-        returns every position's, and attend over those (attend(q, k, v, cache) masks what a
-        fixed-shape cache holds past x); cache.rope has the rows of every cached position."""
+        returns every position's, and attend over those, seeing only the positions cache.mask()
+        allows where it is not None (attend(q, k, v, cache) does); cache.rope has the rows of
+        every cached position."""
         raise NotImplementedError
 
     def head_qk_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,13 +178,15 @@ class Attention(nn.Module):
     # an explicit mask, which leaves the memory-efficient or math kernel.
     def attend(self, q, k, v, cache=None):
         """softmax(q k^T / sqrt(d)) v for q (B, T, H, d) against k, v (B, S, H or G, d): the T
-        queries are the last T of the S positions, so T == S is plain causal attention; or, from
-        a fixed-shape cache, one query against all its max_len positions, those past it masked."""
+        queries are the last T of the S positions, so T == S is plain causal attention; or, where
+        the cache that returned k and v has a mask (fast_decode.py's fixed-shape one), the
+        positions it allows."""
         T, S = q.size(1), k.size(1)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         gqa = k.size(1) != q.size(1)
-        if cache is not None and cache.fixed:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.visible(), enable_gqa=gqa)
+        mask = None if cache is None else cache.mask()
+        if mask is not None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         elif T == S or T == 1:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa)
         else:
@@ -204,7 +209,8 @@ class Attention(nn.Module):
     def head_kv_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_K, W_V), each (H, d_h, d) in nn.Linear's layout: head h's key is x @ W_K[h].T before
         the QK norm and RoPE, its value x @ W_V[h].T. The source of a conversion."""
-        raise ValueError(f"--attn={self.attn_name()} gives no per-head key and value projections to convert from")
+        raise ValueError(f"--attn={self.attn_name()} gives no per-head key and value projections "
+                         "to convert from")
 
     def load_head_kv_weights(self, W_K: torch.Tensor, W_V: torch.Tensor) -> None:
         """Set this layer's key and value parameters from H per-head projections (head_kv_weights'
@@ -314,7 +320,7 @@ class LowRankKVAttention(Attention):
     so K_h = X W_shared^K + (X U_h^K)(B_h^K)^T = K_shared + R_h^K (B_h^K)^T, and V_h likewise.
     Training builds every head's K_h and V_h and attends as MHA does. A decoder caches K_shared,
     V_shared (d_h each) and every head's R_h^K, R_h^V (r each), the paper's 2 d_h + 2 H r per
-    token, plus each head's key RMS (H numbers, +0.7% at 128M; see decode_step). The B_h are
+    token, plus each head's key RMS (H numbers, +0.7% at 128M; see key_scores). The B_h are
     weights, not cache. r = 0 would be MQA; r = d_h gives each head a full-rank residual."""
 
     def __init__(self, config):
@@ -347,7 +353,7 @@ class LowRankKVAttention(Attention):
         # ||U_h B_h^T||_F ~ sqrt(d d_h r) / sqrt(d) * 0.1/sqrt(r) = 0.1 sqrt(d_h) ~ 0.1 ||W_shared||_F,
         # the paper's starting residual.
         super().reset_parameters()
-        for factor in (self.B_k, self.B_v):
+        for factor in self.parameters(recurse=False):  # B_k, B_v: the only parameters outside an nn.Linear
             nn.init.normal_(factor, std=0.1 / math.sqrt(self.lrkv_rank))
 
     def forward(self, x, rope, cache=None):
@@ -369,46 +375,61 @@ class LowRankKVAttention(Attention):
         """Every head's V_h = V_shared + R_h^V (B_h^V)^T: (B, S, d_h), (B, S, H, r) -> (B, S, H, d_h)."""
         return v_shared.unsqueeze(2) + self.residual(r_v, self.B_v)
 
-    # decoding
+    # decoding: the key half (key_shapes, key_entries, keys, key_scores) and the value half
+    # (value_shapes, value_entries, values, attend_values) each cache and read entries of their
+    # own, so that a variant keeping one half of LRKV overrides only the other's methods
+    # (test_variant.py keeps the keys and gives every head MQA's shared value)
 
     def cache_shapes(self):
-        return {
-            "k_shared": (self.head_dim,), "v_shared": (self.head_dim,),
-            "r_k": (self.n_head, self.lrkv_rank), "r_v": (self.n_head, self.lrkv_rank), "rho": (self.n_head,),
-        }
+        return {**self.key_shapes(), **self.value_shapes()}
 
     def decode(self, x, rope, cache):
-        """forward with a cache. The QK norm divides K_h by its RMS rho_h, which is cached, so that
-        Rot_s(norm(K_h)) = (Rot_s K_shared + Rot_s(R_h^K (B_h^K)^T)) / rho_h, rotation being linear."""
-        B, T, _ = x.shape
+        """forward with a cache: the new tokens' key and value entries appended, then one new
+        token's attention through key_scores and attend_values, without building any cached
+        position's key or value, or several tokens' through every head's keys and values."""
         q = self.queries(x, rope)
-        k_shared, v_shared = self.W_shared_k(x), self.W_shared_v(x)
-        r_k = self.U_k(x).view(B, T, self.n_head, self.lrkv_rank)
-        r_v = self.U_v(x).view(B, T, self.n_head, self.lrkv_rank)
-        res_k = self.residual(r_k, self.B_k)  # (B, T, H, d_h): the new tokens' R_h^K (B_h^K)^T
-        rho = rms(k_shared.unsqueeze(2) + res_k)  # (B, T, H), stored in the cache's dtype like the keys
-        k_shared = apply_rope(k_shared.unsqueeze(2), rope).squeeze(2)  # (B, T, d_h)
-        k_shared, v_shared, r_k, r_v, rho = cache.update(k_shared=k_shared, v_shared=v_shared, r_k=r_k, r_v=r_v, rho=rho)
-        S = v_shared.size(1)
-        if T == 1:
-            visible = cache.visible() if cache.fixed else None
-            y_shared, y_res = self.decode_step(q, k_shared, v_shared, r_k, r_v, rho, cache.rope[:S], visible)
-            # eq. 7: a_h V_h = a_h V_shared + (a_h R_h^V) (B_h^V)^T, with B_h^V applied once to the result
-            return self.project_out(y_shared + self.residual(y_res, self.B_v))
-        # A prompt or a chunk after a prefix: every head's keys and values at every position (the
-        # new tokens' key residuals are built already), q, k and v d_h wide as in training. Eq. 7's
+        new_keys, new_values = self.key_entries(x, rope), self.value_entries(x)
+        cached = cache.update(**new_keys, **new_values)
+        keys, values = cached[:len(new_keys)], cached[len(new_keys):]  # each half's, at every position
+        S = cached[0].size(1)
+        if x.size(1) == 1:
+            scores = self.key_scores(q, *keys, cache.rope[:S])  # (B, H, S)
+            mask = cache.mask()
+            if mask is not None:  # a fixed-shape cache's unwritten positions (rho 0)
+                scores = scores.masked_fill(~mask, float("-inf"))
+            a = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # (B, H, S)
+            return self.project_out(self.attend_values(a, *values))
+        # A prompt or a chunk after a prefix: q, k and v d_h wide as in training. Eq. 7's
         # [V_shared | R_h^V] is d_h + r wide: flash attention refuses a v wider than q and k, and
         # at 128M's 174 so does every fast kernel, which leaves PyTorch's math one (all T x S
         # scores at once). Building V_h costs S H r d_h multiply-adds, as rebuilding the keys does.
-        res_k = torch.cat((self.residual(r_k[:, :S - T], self.B_k), res_k), dim=1)
-        k = (k_shared.unsqueeze(2) + apply_rope(res_k, cache.rope[:S])) / rho.unsqueeze(-1)
-        return self.project_out(self.attend(q, k, self.values(v_shared, r_v)))
+        return self.project_out(self.attend(q, self.keys(*keys, cache.rope[:S]), self.values(*values)))
 
-    def decode_step(self, q, k_shared, v_shared, r_k, r_v, rho, rope, visible=None):
-        """One new token's attention over all S cached positions (rope: their rows of the RoPE
-        table; visible: which of them it may see, None for all), exact, without building any
-        per-head key. Head h's key at s is Rot_s(K_s + B_h r_{h,s}) / rho_{h,s} (K_h, then the QK
-        norm and RoPE; B_h = B_h^K, r = R^K), so for the normalised, rotated query q_h
+    # the key half
+
+    def key_shapes(self):
+        return {"k_shared": (self.head_dim,), "r_k": (self.n_head, self.lrkv_rank), "rho": (self.n_head,)}
+
+    def key_entries(self, x, rope):
+        """The new tokens' rotated K_shared, R_h^K and rho_h, the RMS of K_h that the QK norm
+        divides by: Rot_s(norm(K_h)) = (Rot_s K_shared + Rot_s(R_h^K (B_h^K)^T)) / rho_h, rotation
+        being linear. rho is stored in the cache's dtype, like the keys."""
+        B, T, _ = x.shape
+        k_shared = self.W_shared_k(x)  # (B, T, d_h)
+        r_k = self.U_k(x).view(B, T, self.n_head, self.lrkv_rank)  # (B, T, H, r)
+        rho = rms(k_shared.unsqueeze(2) + self.residual(r_k, self.B_k))  # (B, T, H)
+        return {"k_shared": apply_rope(k_shared.unsqueeze(2), rope).squeeze(2), "r_k": r_k, "rho": rho}
+
+    def keys(self, k_shared, r_k, rho, rope):
+        """Every head's normalised, rotated key at all S cached positions (rope: their rows of the
+        RoPE table), as training's: (B, S, H, d_h)."""
+        return (k_shared.unsqueeze(2) + apply_rope(self.residual(r_k, self.B_k), rope)) / rho.unsqueeze(-1)
+
+    def key_scores(self, q, k_shared, r_k, rho, rope):
+        """One new token's attention scores over all S cached positions (rope: their rows of the
+        RoPE table), the softmax's input (B, H, S), exact, without building any per-head key.
+        Head h's key at s is Rot_s(K_s + B_h r_{h,s}) / rho_{h,s} (K_h, then the QK norm and RoPE;
+        B_h = B_h^K, r = R^K), so for the normalised, rotated query q_h
 
             score_{h,s} = [ q_h . Rot_s(K_s) + (B_h^T Rot_s^T q_h) . r_{h,s} ] / rho_{h,s}
 
@@ -425,39 +446,59 @@ class LowRankKVAttention(Attention):
         matrix built from q and B^K (a batch's matrices side by side): one GEMM, the rebuild's
         S H r d_h multiply-adds without its (S, H, d_h) tensors and their norm and rotation. No
         exact form does less with this cache: each score needs a d_h-wide rotated residual key
-        of which the cache holds r numbers. Values: eq. 7, a_h [V_shared | R_h^V], as two
-        products so that V_shared is never copied per head."""
+        of which the cache holds r numbers."""
         H, d_h, r, half = self.n_head, self.head_dim, self.lrkv_rank, self.head_dim // 2
-        q = q[:, 0] / math.sqrt(d_h)  # (B, H, d_h), the softmax's scale taken in
-        B, S = q.size(0), k_shared.size(1)
-        q1, q2 = q.view(B, H, 2, half).permute(2, 3, 0, 1).unsqueeze(-1)  # (d_h/2, B, H, 1): q_i, q_i'
-        Bk1, Bk2 = self.B_k.view(H, 2, half, r).permute(1, 2, 0, 3).unsqueeze(2)  # (d_h/2, 1, H, r): B_h[i], B_h[i']
-        M = torch.stack((q1 * Bk1 + q2 * Bk2, q1 * Bk2 - q2 * Bk1))  # (2, d_h/2, B, H, r): cos, sin terms
-        w = rope.to(q.dtype) @ M.view(d_h, B * H * r)  # (S, B H r): B_h^T Rot_s^T q_h, one GEMM for the batch
-        residual_term = torch.linalg.vecdot(w.view(S, B, H, r).transpose(0, 1), r_k).transpose(1, 2)  # (B, H, S)
-        scores = torch.baddbmm(residual_term, q, k_shared.transpose(1, 2)) / rho.transpose(1, 2)  # (B, H, S)
-        if visible is not None:  # a fixed-shape cache: its unwritten positions (rho 0) are never seen
-            scores = scores.masked_fill(~visible, float("-inf"))
-        a = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # (B, H, S)
-        y_shared = a @ v_shared  # (B, H, d_h)
-        y_res = torch.einsum("bhs,bshr->bhr", a, r_v)  # (B, H, r)
-        return y_shared.unsqueeze(1), y_res.unsqueeze(1)
+        q = q[:, 0] / math.sqrt(d_h)  # (N, H, d_h), the softmax's scale taken in
+        N, S = q.size(0), k_shared.size(1)  # N the batch size: B is B_h here
+        # dims i and i' = i + d_h/2 of q_h, and rows i and i' of B_h
+        q1, q2 = q.view(N, H, 2, half).permute(2, 3, 0, 1).unsqueeze(-1)  # (d_h/2, N, H, 1)
+        Bk1, Bk2 = self.B_k.view(H, 2, half, r).permute(1, 2, 0, 3).unsqueeze(2)  # (d_h/2, 1, H, r)
+        M = torch.stack((q1 * Bk1 + q2 * Bk2, q1 * Bk2 - q2 * Bk1))  # (2, d_h/2, N, H, r): cos, sin terms
+        w = rope.to(q.dtype) @ M.view(d_h, N * H * r)  # (S, N H r): B_h^T Rot_s^T q_h, one GEMM for the batch
+        w = w.view(S, N, H, r).transpose(0, 1)  # (N, S, H, r)
+        residual_term = torch.linalg.vecdot(w, r_k).transpose(1, 2)  # (N, H, S)
+        return torch.baddbmm(residual_term, q, k_shared.transpose(1, 2)) / rho.transpose(1, 2)
+
+    # the value half
+
+    def value_shapes(self):
+        return {"v_shared": (self.head_dim,), "r_v": (self.n_head, self.lrkv_rank)}
+
+    def value_entries(self, x):
+        """The new tokens' V_shared (B, T, d_h) and R_h^V (B, T, H, r)."""
+        B, T, _ = x.shape
+        return {"v_shared": self.W_shared_v(x), "r_v": self.U_v(x).view(B, T, self.n_head, self.lrkv_rank)}
+
+    def attend_values(self, a, v_shared, r_v):
+        """One new token's output (B, 1, H, d_h) from its attention a (B, H, S) over the cached
+        values, by eq. 7: a_h V_h = a_h V_shared + (a_h R_h^V) (B_h^V)^T, as two products so that
+        V_shared is never copied per head, B_h^V applied once, to the result."""
+        y_shared = (a @ v_shared).unsqueeze(1)  # (B, 1, H, d_h)
+        y_res = torch.einsum("bhs,bshr->bhr", a, r_v).unsqueeze(1)  # (B, 1, H, r)
+        return y_shared + self.residual(y_res, self.B_v)
 
     # conversion
 
     def head_kv_weights(self):
+        return (self.head_weights(self.W_shared_k, self.U_k, self.B_k),
+                self.head_weights(self.W_shared_v, self.U_v, self.B_v))
+
+    def head_weights(self, W_shared, U, factor):
+        """Every head's W_shared + B_h U_h, one half's (H, d_h, d)."""
         H, d_h, r = self.n_head, self.head_dim, self.lrkv_rank
-        return tuple(W_shared.weight + torch.einsum("hdr,hrc->hdc", B.view(H, d_h, r), U.weight.view(H, r, -1))
-                     for W_shared, U, B in ((self.W_shared_k, self.U_k, self.B_k), (self.W_shared_v, self.U_v, self.B_v)))
+        return W_shared.weight + torch.einsum("hdr,hrc->hdc", factor.view(H, d_h, r), U.weight.view(H, r, -1))
 
     def load_head_kv_weights(self, W_K, W_V):
         """W_shared = the heads' mean, U_h B_h^T = the rank-r truncated SVD of W_h - W_shared
         (shared_plus_low_rank), for keys and values alike. With r = d_h it is every head exactly."""
-        for W_shared, U, B, heads in ((self.W_shared_k, self.U_k, self.B_k, W_K), (self.W_shared_v, self.U_v, self.B_v, W_V)):
-            mean, B_h, U_h, _ = shared_plus_low_rank(heads.double(), self.lrkv_rank)
-            W_shared.weight.copy_(mean)
-            U.weight.copy_(U_h.flatten(0, 1))
-            B.copy_(B_h.flatten(0, 1))
+        self.load_head_weights(W_K, self.W_shared_k, self.U_k, self.B_k)
+        self.load_head_weights(W_V, self.W_shared_v, self.U_v, self.B_v)
+
+    def load_head_weights(self, heads, W_shared, U, factor):
+        mean, B_h, U_h, _ = shared_plus_low_rank(heads.double(), self.lrkv_rank)
+        W_shared.weight.copy_(mean)
+        U.weight.copy_(U_h.flatten(0, 1))
+        factor.copy_(B_h.flatten(0, 1))
 
 
 def shared_plus_low_rank(W, r):
@@ -546,16 +587,15 @@ class MultiHeadLatentAttention(Attention):
         c = norm(self.W_down(x))
         k_rope = apply_rope(self.W_kr(x).unsqueeze(2), rope)  # (B, T, 1, d_R)
         k = self.keys(c, k_rope)
-        prompt = not cache.fixed and cache.pos == 0
         c, k_rope, rho = cache.update(c=c, k_rope=k_rope, rho=rms(k))
-        if prompt:  # every key and value is new: attend as training does
+        if c.size(1) == T:  # a prompt, every key and value new: attend as training does
             v = F.pad(self.W_up_v(c).view(B, T, self.n_head, self.head_dim), (0, self.rope_dim))
             return self.project_out(self.attend(q, norm(k), v)[..., :self.head_dim])
         # After a prefix, attend over the latent itself, as a_h V_h = (a_h c) W_up,h^V exactly:
         # cheaper than applying W_up^V to every cached c, though flash attention refuses a v
         # (d_c wide) unlike q and k (d_h + d_R).
         if T == 1:
-            y = self.decode_step(q, c, k_rope, rho, cache.visible() if cache.fixed else None)
+            y = self.decode_step(q, c, k_rope, rho, cache.mask())
         else:
             # a chunk after a prefix: rebuild every head's keys at every position (the new
             # tokens' keys are built already)
@@ -565,8 +605,8 @@ class MultiHeadLatentAttention(Attention):
         W_up_v = self.W_up_v.weight.view(self.n_head, self.head_dim, self.kv_lora_rank)
         return self.project_out(torch.einsum("bthc,hdc->bthd", y, W_up_v))
 
-    def decode_step(self, q, c, k_rope, rho, visible=None):
-        """One new token's attention over all S cached positions (visible: which of them it may
+    def decode_step(self, q, c, k_rope, rho, mask=None):
+        """One new token's attention over all S cached positions (mask: which of them it may
         see, None for all), exact, without building any key. Head h's key at s is
         [c_s W_up,h^K | k_R,s] / rho_{h,s}, rho the RMS of that concatenation, cached when s was
         new, so for the normalised, rotated query q_h = [q_h^nope | q_h^R]
@@ -581,10 +621,11 @@ class MultiHeadLatentAttention(Attention):
         q_nope, q_rope = q[:, 0].split((d_h, self.rope_dim), dim=-1)  # (B, H, d_h), (B, H, d_R)
         W_up_k = self.W_up_k.weight.view(H, d_h, self.kv_lora_rank)
         q_latent = (q_nope.unsqueeze(2) @ W_up_k).squeeze(2)  # (B, H, d_c)
-        scores = torch.baddbmm(q_rope @ k_rope[:, :, 0].transpose(1, 2), q_latent, c.transpose(1, 2))  # (B, H, S)
+        rope_term = q_rope @ k_rope[:, :, 0].transpose(1, 2)  # (B, H, S)
+        scores = torch.baddbmm(rope_term, q_latent, c.transpose(1, 2))  # (B, H, S)
         scores = scores / (rho.transpose(1, 2) * math.sqrt(self.qk_dim))
-        if visible is not None:  # a fixed-shape cache: its unwritten positions (rho 0) are never seen
-            scores = scores.masked_fill(~visible, float("-inf"))
+        if mask is not None:  # a fixed-shape cache's unwritten positions (rho 0)
+            scores = scores.masked_fill(~mask, float("-inf"))
         a = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # (B, H, S)
         return (a @ c).unsqueeze(1)
 
@@ -592,8 +633,8 @@ class MultiHeadLatentAttention(Attention):
 
     def load_head_kv_weights(self, W_K, W_V):
         # MHA2MLA (Ji et al., 2025) first uptrains the source with RoPE on a few frequencies only
-        raise ValueError("MLA is not converted to: its keys' d_h position-free dims need keys that RoPE leaves "
-                         "alone, and per-head keys rotate every dim (docs/convert.md)")
+        raise ValueError("MLA is not converted to: its keys' d_h position-free dims need keys that RoPE "
+                         "leaves alone, and per-head keys rotate every dim (docs/convert.md)")
 
 
 # The variants, by the name that GPTConfig.attn (--attn) takes: the only list of them
@@ -663,13 +704,9 @@ class GPT(nn.Module):
         """Logits (B, T, vocab) in fp32, and the mean cross-entropy if targets are given.
         With caches (one KVCache per layer, see new_caches), idx continues the cached prefix."""
         B, T = idx.shape
-        start = caches[0].pos if caches else 0
-        if isinstance(start, torch.Tensor):  # a fixed-shape step (KVCache.fixed): one token at start
-            rope = self.rope[start]
-        else:
-            if start + T > self.config.block_size:
-                raise ValueError(f"sequence of {start + T} tokens is longer than block_size = {self.config.block_size}")
-            rope = self.rope[start:start + T]  # the rows of idx's positions
+        if T > self.config.block_size:
+            raise ValueError(f"sequence of {T} tokens is longer than block_size = {self.config.block_size}")
+        rope = caches[0].next_rope(T) if caches else self.rope[:T]  # the rows of idx's positions
         x = norm(self.wte(idx))
         for block, cache in zip(self.blocks, caches or [None] * len(self.blocks)):
             x = block(x, rope, cache)
@@ -701,7 +738,8 @@ class GPT(nn.Module):
         for field in ("n_embd", "n_head", "head_dim", "n_layer", "vocab_size"):
             if getattr(self.config, field) != getattr(source.config, field):
                 raise ValueError(f"the checkpoint has {field} = {getattr(source.config, field)}, this model "
-                                 f"{getattr(self.config, field)}: only the attention's keys and values convert")
+                                 f"{getattr(self.config, field)}: only the attention's keys and values"
+                                 " convert")
         ours, theirs = self.state_dict(), source.state_dict()
         if self.config.attn == source.config.attn and all(ours[k].shape == theirs[k].shape for k in ours):
             self.load_state_dict(theirs)
@@ -709,7 +747,8 @@ class GPT(nn.Module):
         for block, source_block in zip(self.blocks, source.blocks):
             block.attn.load_head_kv_weights(*source_block.attn.head_kv_weights())
         kept = ("wte.", "lm_head.", ".mlp.", ".attn.W_q.", ".attn.W_o.")
-        self.load_state_dict({k: v for k, v in theirs.items() if any(part in f".{k}" for part in kept)}, strict=False)
+        self.load_state_dict({k: v for k, v in theirs.items() if any(part in f".{k}" for part in kept)},
+                             strict=False)
 
     @torch.no_grad()
     def head_qk_weights(self):
@@ -719,12 +758,18 @@ class GPT(nn.Module):
 
     # decoding
 
-    def new_caches(self, batch_size, max_len, dtype=torch.bfloat16, device=None):
+    def new_caches(self, batch_size, max_len, dtype=None, device=None):
+        """One empty KVCache per layer for batch_size sequences of up to max_len tokens, in dtype,
+        by default the weights' (a CPU without bf16 instructions emulates bf16, slowly: a caller
+        that wants it says so)."""
+        dtype = self.wte.weight.dtype if dtype is None else dtype
         device = self.wte.weight.device if device is None else device
+        if max_len > self.config.block_size:  # the RoPE table has block_size rows
+            raise ValueError(f"a KV cache of {max_len} tokens exceeds block_size = {self.config.block_size}")
         return [KVCache(batch_size, max_len, block.attn.cache_shapes(), dtype, device, self.rope[:max_len])
                 for block in self.blocks]
 
-    def kv_cache_bytes(self, batch_size, seq_len, dtype=torch.bfloat16):
+    def kv_cache_bytes(self, batch_size, seq_len, dtype=None):
         """Bytes the decoding caches allocate, counted off the same caches built on the meta device."""
         caches = self.new_caches(batch_size, seq_len, dtype, device="meta")
         return sum(buf.numel() * buf.element_size() for cache in caches for buf in cache.buffers())
@@ -734,36 +779,48 @@ class GPT(nn.Module):
         return sum(math.prod(shape) for shape in self.blocks[0].attn.cache_shapes().values())
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, compile=False,
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, step=None,
                  vocab_size=None):
         """idx (B, T) continued by max_new_tokens sampled tokens: (B, T + max_new_tokens)."""
-        new = self.stream(idx, max_new_tokens, temperature, top_k, use_cache, compile, vocab_size)
+        new = self.stream(idx, max_new_tokens, temperature, top_k, use_cache, step, vocab_size)
         return torch.cat([idx, *new], dim=1)
 
     @torch.no_grad()
-    def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, compile=False,
+    def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, step=None,
                vocab_size=None):
         """Yield the max_new_tokens tokens (B, 1) that continue idx (B, T), one at a time, each as
-        soon as it is drawn; temperature 0 is greedy. With the cache the prompt is read once
-        (prefill) and then one token is fed per step; without it every step reads the whole
-        sequence again. compile: the single-token steps run on fixed shapes (fixed_step), compiled
-        once by torch.compile, as CUDA graphs on a GPU. vocab_size: draw only ids below it, the
-        tokenizer's, where the model's vocabulary is padded past it (GPT-2's 50257 to 50304)."""
-        if compile and not use_cache:
-            raise ValueError("compile=True compiles the cached single-token step: it needs use_cache=True")
-        if idx.size(1) + max_new_tokens > self.config.block_size:
-            raise ValueError(f"prompt + max_new_tokens = {idx.size(1) + max_new_tokens} exceeds block_size = {self.config.block_size}")
+        soon as it is drawn; temperature 0 is greedy. The model sees a context of at most
+        block_size tokens, the last ones: a longer prompt is cropped to them, as nanoGPT's
+        sample.py crops it, and a context that would outgrow block_size starts again from its most
+        recent half. With the cache the context is read once (prefill) and then one token is fed
+        per step; without it every step reads the whole context again. step(model, token,
+        caches): what feeds each token after a prefill and returns its logits (B, vocab), by
+        default the model itself (fast_decode.compiled_decode: the same step compiled).
+        vocab_size: draw only ids below it, the tokenizer's, where the model's vocabulary is
+        padded past it (GPT-2's 50257 to 50304)."""
+        if step is not None and not use_cache:
+            raise ValueError("a step feeds the KV cache: it needs use_cache=True")
+        L = self.config.block_size
+        # Past L, the context keeps its last L - L // 2 tokens (half, rounded up), through fresh
+        # caches and a prefill of them. Keeping k tokens prefills k every L - k + 1 new tokens, about
+        # one prefill token per generated token at half, and every token still sees at least half a
+        # context; keeping more would cost more, fewer would leave the model less to see. Without
+        # the cache the context is cropped at the same points: both see the same tokens.
+        keep = L - L // 2
+        start = max(0, idx.size(1) - L)  # where the context begins in idx
+        max_len = min(L, idx.size(1) + max_new_tokens)  # every cache's: the longest the context gets
         device = idx.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else self.lm_head.weight.dtype
-        caches = self.new_caches(idx.size(0), idx.size(1) + max_new_tokens, dtype) if use_cache else None
-        for i in range(max_new_tokens):
-            if caches is None or i == 0:
-                logits = self(idx, caches=caches)[0][:, -1]
-            elif compile:
-                if i == 1:
-                    fix(caches)
-                logits = compiled_step(self, idx[:, -1:], caches)
-                caches[0].pos += 1  # the position every layer's fixed-shape cache shares
+        autocast = torch.is_autocast_enabled(device)
+        dtype = torch.get_autocast_dtype(device) if autocast else self.lm_head.weight.dtype
+        caches = None
+        for _ in range(max_new_tokens):
+            if idx.size(1) - start > L:
+                start, caches = idx.size(1) - keep, None
+            if caches is None:  # the whole context: the prompt, a new start, or any step without the cache
+                caches = self.new_caches(idx.size(0), max_len, dtype) if use_cache else None
+                logits = self(idx[:, start:], caches=caches)[0][:, -1]
+            elif step is not None:
+                logits = step(self, idx[:, -1:], caches)
             else:
                 logits = self(idx[:, -1:], caches=caches)[0][:, -1]
             logits = logits[:, :vocab_size]
@@ -784,11 +841,10 @@ class GPT(nn.Module):
 
 class KVCache(nn.Module):
     """One layer's decoding memory: a (B, max_len, *shape) buffer per cached name, filled up to
-    pos, and rope, the (max_len, rope_dim) RoPE table of its positions. While pos is an int the
-    cache grows by what it is given (a prompt, a chunk, a token) and update returns the positions
-    so far. Fixed (fix below), pos is a (1,) tensor that every layer shares, update writes the one
-    new token there and returns whole buffers, and attention masks what lies past pos
-    (visible): every step has the same shapes, which is what lets torch.compile capture it once."""
+    pos, and rope, the (max_len, rope_dim) RoPE table of its positions. It grows by what it is
+    given (a prompt, a chunk, a token): update appends it and returns every position's entries so
+    far, all of which the new tokens may see, causally (mask() is None). fast_decode.py turns
+    filled caches into fixed-shape ones for torch.compile, with the same three methods."""
 
     def __init__(self, batch_size, max_len, shapes, dtype, device=None, rope=None):
         super().__init__()
@@ -797,23 +853,19 @@ class KVCache(nn.Module):
             buf = torch.zeros(batch_size, max_len, *shape, dtype=dtype, device=device)
             self.register_buffer(name, buf, persistent=False)
 
-    @property
-    def fixed(self):
-        return isinstance(self.pos, torch.Tensor)
+    def next_rope(self, T):
+        """The RoPE rows (T, rope_dim) of the next T positions, which update will fill."""
+        if self.pos + T > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} tokens, {self.pos + T} were asked for")
+        return self.rope[self.pos:self.pos + T]
 
-    def visible(self):
-        """(1, max_len) bool: the positions that the fixed-shape step's one token attends to."""
-        return (torch.arange(self.max_len, device=self.pos.device) <= self.pos)[None]
+    def mask(self):
+        """Which of the positions update returns the new tokens may see: here all, causally."""
+        return None
 
     def update(self, **new):
         """Append the new tokens' entries; return every name's entries so far, in the caller's dtype."""
-        if self.fixed:
-            for name, x in new.items():
-                getattr(self, name).index_copy_(1, self.pos, x.to(getattr(self, name).dtype))
-            return [getattr(self, name).to(x.dtype) for name, x in new.items()]
         end = self.pos + next(iter(new.values())).size(1)
-        if end > self.max_len:
-            raise ValueError(f"KV cache holds {self.max_len} tokens, {end} were asked for")
         out = []
         for name, x in new.items():
             buf = getattr(self, name)
@@ -821,25 +873,3 @@ class KVCache(nn.Module):
             out.append(buf[:, :end].to(x.dtype))
         self.pos = end
         return out
-
-
-def fix(caches):
-    """Turn filled caches into fixed-shape ones for single-token steps, from their position on:
-    one position tensor for all layers, and buffers whose addresses CUDA graphs may keep."""
-    pos = torch.tensor([caches[0].pos], device=caches[0].rope.device)
-    for cache in caches:
-        cache.pos = pos
-        for buf in cache.buffers():
-            torch._dynamo.mark_static_address(buf)
-
-
-def fixed_step(model, token, caches):
-    """The last logits (B, vocab) of one token (B, 1) through fixed caches: the step
-    compiled_step compiles, with the same shapes at every position."""
-    return model(token, caches=caches)[0][:, -1]
-
-
-# One compiled step for every model and cache of the same shapes: torch.compile lifts modules'
-# weights and buffers into graph inputs, so new caches reuse the graph. On a GPU,
-# "reduce-overhead" replays it as a CUDA graph, one launch for the whole step.
-compiled_step = torch.compile(fixed_step, mode="reduce-overhead" if torch.cuda.is_available() else None)

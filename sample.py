@@ -6,8 +6,11 @@ Sample text from a checkpoint written by train.py, printing each token as it is 
     python sample.py out/mqa/ckpt.pt --prompt=FILE:prompt.txt --num_samples=5 --max_new_tokens=500
 
 The checkpoint holds its data's tokenizer, which encodes the prompt and decodes the samples. A
-sample ends after max_new_tokens or at the end-of-text token. The last line gives the decoding
-speed and the KV cache each sample allocates (model.py's kv_cache_bytes).
+sample ends after max_new_tokens or at the end-of-text token. The model sees at most its
+block_size last tokens: a longer prompt is cropped to them, as nanoGPT's sample.py crops it, and
+a sample that grows past block_size goes on from its most recent half (GPT.stream). The last
+line gives the decoding speed and the KV cache each sample allocates (model.py's kv_cache_bytes),
+block_size tokens at most.
 """
 
 import argparse
@@ -18,6 +21,7 @@ import time
 
 import torch
 
+from fast_decode import compiled_decode
 from prepare_data import get_tokenizer
 from train import ConfigError, load_checkpoint, native_dtype, pick_device
 
@@ -85,18 +89,22 @@ def main(argv=None):
     parser = Parser(description=__doc__.strip().split("\n\n")[0])
     parser.add_argument("ckpt", help="a ckpt.pt written by train.py")
     parser.add_argument("--prompt", default="",
-                        help="the text to continue, or FILE:path for a file's; default: a new document")
+                        help="the text to continue, or FILE:path for a file's; default: a new document. "
+                             "One longer than the model's block_size is cropped to its last block_size "
+                             "tokens, as nanoGPT's sample.py crops it")
     parser.add_argument("--num_samples", type=positive_int, default=1)
     parser.add_argument("--max_new_tokens", type=positive_int, default=200,
-                        help="the prompt's tokens plus these must fit in the model's block_size")
+                        help="as many as wanted: past the model's block_size the context goes on from its "
+                             "most recent half (GPT.stream)")
     parser.add_argument("--temperature", type=temperature, default=0.8, help="0: greedy")
-    parser.add_argument("--top_k", type=top_k, default=200, help="draw from the k likeliest tokens; none: from all")
+    parser.add_argument("--top_k", type=top_k, default=200,
+                        help="draw from the k likeliest tokens; none: from all")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto", choices=("auto", "cuda", "mps", "cpu"),
                         help="auto: cuda, else mps, else cpu")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                        help="weights and KV cache; auto: float32 for a run trained in it by choice (--dtype=float32, "
-                             "as config/demo.py), else bfloat16 where the device computes it natively")
+                        help="weights and KV cache; auto: float32 for a run trained in it by choice "
+                             "(--dtype=float32, as config/demo.py), else bf16 where the device computes it")
     parser.add_argument("--no_cache", action="store_true",
                         help="decode without the KV cache: every step reads the whole sequence again")
     parser.add_argument("--compile", action="store_true",
@@ -109,10 +117,6 @@ def main(argv=None):
         if args.compile and args.no_cache:
             raise ConfigError("--compile compiles the cached single-token step: it cannot go with --no_cache")
         prompt = encode_prompt(args.prompt, tok)
-        seq_len = len(prompt) + args.max_new_tokens
-        if seq_len > model.config.block_size:
-            raise ConfigError(f"the prompt's {len(prompt)} tokens + --max_new_tokens={args.max_new_tokens} = "
-                              f"{seq_len} exceed the model's block_size = {model.config.block_size}")
     except ConfigError as e:
         print(f"sample.py: {e}", file=sys.stderr)
         return 2
@@ -130,15 +134,17 @@ def main(argv=None):
         text = codecs.getincrementaldecoder("utf-8")(errors="replace")
         print(text.decode(tok.decode_bytes(prompt)), end="", flush=True)
         for token in model.stream(idx, args.max_new_tokens, args.temperature, args.top_k, not args.no_cache,
-                                  args.compile, tok.vocab_size):
+                                  compiled_decode if args.compile else None, tok.vocab_size):
             drawn += 1
             if token.item() == tok.eot_id:
                 break  # the document ends here: the tokens after it would start an unrelated one
             print(text.decode(tok.decode_bytes(token[0].tolist())), end="", flush=True)
         print(text.decode(b"", final=True) + "\n---------------")
     seconds = time.perf_counter() - t0
+    cache_len = min(model.config.block_size, len(prompt) + args.max_new_tokens)  # what GPT.stream allocates
+    cache_bytes = model.kv_cache_bytes(1, cache_len, dtype)
     cache = ("no KV cache (--no_cache)" if args.no_cache else
-             f"KV cache {size(model.kv_cache_bytes(1, seq_len, dtype))} ({dtype_name}, 1 x {seq_len} tokens)")
+             f"KV cache {size(cache_bytes)} ({dtype_name}, 1 x {cache_len} tokens)")
     print(f"{args.num_samples} sample{'s' * (args.num_samples > 1)}, {drawn} tokens in {seconds:.1f} s"
           f"{' (compiling included)' if args.compile else ''}: {drawn / seconds:.0f} tokens/s | {cache}")
     return 0

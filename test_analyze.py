@@ -29,7 +29,8 @@ def random_heads(seed=0, heads=H):
 
 
 def random_orthogonal(seed):
-    Q, R = torch.linalg.qr(torch.randn(D_QK, D_QK, generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
+    generator = torch.Generator().manual_seed(seed)
+    Q, R = torch.linalg.qr(torch.randn(D_QK, D_QK, generator=generator, dtype=torch.float64))
     return Q * R.diagonal().sign()
 
 
@@ -108,7 +109,8 @@ def save_checkpoint(path, val_loss=None, val_bpb=None, seed=0, log=None, **overr
     torch.manual_seed(seed)
     config = replace(TINY, **overrides)
     path.parent.mkdir(parents=True)
-    ckpt = {"model": GPT(config).state_dict(), "model_args": asdict(config), "val_loss": val_loss, "val_bpb": val_bpb}
+    ckpt = {"model": GPT(config).state_dict(), "model_args": asdict(config), "val_loss": val_loss,
+            "val_bpb": val_bpb}
     if log is not None:
         ckpt["config"] = {"batch_size": 3}
         (path.parent / "log.jsonl").write_text("".join(json.dumps(record) + "\n" for record in log))
@@ -121,7 +123,8 @@ def test_end_to_end(tmp_path, capsys):
         "a_gqa": dict(attn="gqa", val_loss=3.1, val_bpb=0.95),
         "b_lrkv4": dict(attn="lrkv", lrkv_rank=4, val_loss=3.0, val_bpb=0.91),
         "c_mha": dict(attn="mha", val_loss=3.05, val_bpb=0.93, log=[
-            dict(step=10, loss=4.0, lr=0.02), dict(step=20, loss=3.5, lr=0.01), dict(step=20, val_loss=3.05, val_bpb=0.93)]),
+            dict(step=10, loss=4.0, lr=0.02), dict(step=20, loss=3.5, lr=0.01),
+            dict(step=20, val_loss=3.05, val_bpb=0.93)]),
         "d_mla": dict(attn="mla"),
         "e_lrkv2": dict(attn="lrkv", lrkv_rank=2, val_loss=3.08, val_bpb=0.94),
         "f_mqa": dict(attn="mqa", val_loss=3.2, val_bpb=0.97),
@@ -132,8 +135,8 @@ def test_end_to_end(tmp_path, capsys):
     analyze.main([str(tmp_path / "out"), "--out_dir", str(out_dir)])
 
     written = sorted(p.name for p in out_dir.iterdir())
-    assert written == ["analysis.json", "effective_rank.png", "head_correlation.png", "kv_tradeoff.png", "loss_curves.png",
-                       "rank_energy.png"]
+    assert written == ["analysis.json", "effective_rank.png", "head_correlation.png", "kv_tradeoff.png",
+                       "loss_curves.png", "rank_energy.png"]
     results = json.loads((out_dir / "analysis.json").read_text())["runs"]
     order = ["Standard MHA", "LRKV (r=2)", "LRKV (r=4)", "MQA", "MLA", "GQA (2 KV heads)"]
     assert [run["label"] for run in results] == order
@@ -146,7 +149,8 @@ def test_end_to_end(tmp_path, capsys):
     mla = results[order.index("MLA")]
     assert mla["val_loss"] is None and mla["val_bpb"] is None
     # LRKV: 2 d_h + 2 H r, MLA: d_c + d_R, each plus the H key RMSs that its decoder caches
-    assert [run["kv_cache_fraction"] for run in results] == [1, (16 + 16 + 4) / 64, (16 + 32 + 4) / 64, 16 / 64, (8 + 4 + 4) / 64, 32 / 64]
+    fractions = [1, (16 + 16 + 4) / 64, (16 + 32 + 4) / 64, 16 / 64, (8 + 4 + 4) / 64, 32 / 64]
+    assert [run["kv_cache_fraction"] for run in results] == fractions
     table = capsys.readouterr().out
     assert all(sum(line.startswith(label + " ") for line in table.splitlines()) == 1 for label in order)
 
@@ -154,7 +158,8 @@ def test_end_to_end(tmp_path, capsys):
     effective_rank = analyze.plot_effective_rank(results, centered=False).axes[0]
     assert [line.get_label() for line in effective_rank.lines] == order + ["Fully redundant"]
     assert effective_rank.get_ylim()[0] < 1 and effective_rank.get_ylim()[1] > 4
-    assert effective_rank.get_title() == f"Head Diversity via Effective Rank ({analyze.model_size(results[0]['n_params'])})"
+    size = analyze.model_size(results[0]["n_params"])
+    assert effective_rank.get_title() == f"Head Diversity via Effective Rank ({size})"
     panels = [ax for ax in analyze.plot_head_correlation(results, None).axes if ax.images]
     assert [ax.get_title() for ax in panels] == order
     loss, bpb = analyze.plot_kv_tradeoff(results).axes
@@ -166,22 +171,28 @@ def test_end_to_end(tmp_path, capsys):
                              "val": [[20 * tokens_per_step, 3.05]]}
     assert all(run["curves"] is None for run in results[1:])
     val, train = analyze.plot_loss_curves(results).axes
-    assert [line.get_label() for line in val.lines] == [line.get_label() for line in train.lines] == ["Standard MHA"]
-    np.testing.assert_allclose(train.lines[0].get_xdata(), [10 * tokens_per_step / 1e6, 20 * tokens_per_step / 1e6])
+    assert [line.get_label() for line in val.lines] == ["Standard MHA"]
+    assert [line.get_label() for line in train.lines] == ["Standard MHA"]
+    millions = [10 * tokens_per_step / 1e6, 20 * tokens_per_step / 1e6]
+    np.testing.assert_allclose(train.lines[0].get_xdata(), millions)
 
 
 def test_heatmap_defaults_to_the_layer_where_the_runs_differ_most():
-    runs = [dict(label=name, n_layer=3, n_head=2, effective_rank=ranks, similarity=np.eye(2)[None].repeat(3, 0).tolist())
+    identity = np.eye(2)[None].repeat(3, 0).tolist()
+    runs = [dict(label=name, n_layer=3, n_head=2, effective_rank=ranks, similarity=identity)
             for name, ranks in (("a", [1.9, 2.0, 1.5]), ("b", [1.2, 1.95, 1.4]), ("c", [1.8, 2.0, 1.3]))]
     assert analyze.most_different_layer(runs) == 0  # spreads 0.7, 0.05, 0.2
-    assert analyze.plot_head_correlation(runs, None)._suptitle.get_text().startswith("Attention Head Correlation (layer 0,")
-    assert analyze.plot_head_correlation(runs, 2)._suptitle.get_text() == "Attention Head Correlation (layer 2)"
+    title = analyze.plot_head_correlation(runs, None)._suptitle.get_text()
+    assert title.startswith("Attention Head Correlation (layer 0,")
+    title = analyze.plot_head_correlation(runs, 2)._suptitle.get_text()
+    assert title == "Attention Head Correlation (layer 2)"
     runs[1]["n_layer"] = 4  # runs of different depth: no common layer, each run's middle one
     assert analyze.most_different_layer(runs) is None
 
 
 def test_model_size_labels():
-    assert [analyze.model_size(n) for n in (480_000, 9_940_000, 162_000_000, 1_240_000_000)] == ["0.5M", "9.9M", "162M", "1.2B"]
+    sizes = [analyze.model_size(n) for n in (480_000, 9_940_000, 162_000_000, 1_240_000_000)]
+    assert sizes == ["0.5M", "9.9M", "162M", "1.2B"]
 
 
 def run_cli(*args):
@@ -237,7 +248,8 @@ def test_a_converted_run_shows_where_it_started(tmp_path, capsys):
     """A run with init_from gets its own label and its step-0 loss beside its last."""
     source = tmp_path / "out" / "mha" / "ckpt.pt"
     save_checkpoint(source, attn="mha", val_loss=3.0, val_bpb=0.9)
-    for name, attn, init_from in (("lrkv", "lrkv", source), ("again", "mha", source), ("gone", "gqa", tmp_path / "gone.pt")):
+    for name, attn, init_from in (("lrkv", "lrkv", source), ("again", "mha", source),
+                                  ("gone", "gqa", tmp_path / "gone.pt")):
         path = tmp_path / "converted" / name / "ckpt.pt"
         save_checkpoint(path, val_loss=2.9, val_bpb=0.88, attn=attn,
                         log=[dict(step=0, val_loss=3.5, val_bpb=1.1), dict(step=5, loss=3.0, lr=0.01)])
@@ -246,8 +258,8 @@ def test_a_converted_run_shows_where_it_started(tmp_path, capsys):
         torch.save(ckpt, path)
     analyze.main([str(tmp_path / "converted"), str(source)])
     runs = json.loads((tmp_path / "converted" / "analysis.json").read_text())["runs"]
-    assert [run["label"] for run in runs] == ["Standard MHA", "Standard MHA, uptrained", "LRKV (r=2), converted",
-                                              "GQA (2 KV heads), from a checkpoint"]
+    assert [run["label"] for run in runs] == ["Standard MHA", "Standard MHA, uptrained",
+                                              "LRKV (r=2), converted", "GQA (2 KV heads), from a checkpoint"]
     assert [run["start"] for run in runs] == [None] + [dict(val_loss=3.5, val_bpb=1.1)] * 3
     table = capsys.readouterr().out.splitlines()
     assert "val loss at step 0" in table[0] and table[3].split()[-7:-5] == ["3.500", "2.900"]

@@ -28,8 +28,10 @@ def test_tiny_bench_writes_a_row_per_variant(tmp_path):
     out = tmp_path / "bench.json"
     # one thread: on a busy machine, threads waiting for each other at every tiny op take seconds
     run = subprocess.run(
-        [sys.executable, "bench.py", "--preset=tiny", "--device=cpu", "--check", "--no-compiled_decode", f"--out={out}"],
-        cwd=Path(__file__).parent, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=120,
+        [sys.executable, "bench.py", "--preset=tiny", "--device=cpu", "--check", "--no-compiled_decode",
+         f"--out={out}"],
+        cwd=Path(__file__).parent, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+        timeout=120,
     )
     assert run.returncode == 0, run.stderr
     result = strict_json(out.read_text())
@@ -40,7 +42,8 @@ def test_tiny_bench_writes_a_row_per_variant(tmp_path):
     for name, row in result["variants"].items():
         assert row["check"]["ok"], (name, row["check"])
         train = row["train"]
-        assert positive_numbers(train, "ms_per_step", "optimizer_ms", "tokens_per_s", "x_mha") and train["mfu"] is None
+        assert positive_numbers(train, "ms_per_step", "optimizer_ms", "tokens_per_s", "x_mha")
+        assert train["mfu"] is None
         assert [d["context"] for d in row["decode"]] == contexts
         model = GPT(GPTConfig(attn=name, **result["config"]))
         for d in row["decode"]:
@@ -48,11 +51,13 @@ def test_tiny_bench_writes_a_row_per_variant(tmp_path):
                                     "cache_pct_mha", "x_mha")
             assert d["cache_mib"] * 2**20 == model.kv_cache_bytes(batch, d["context"], dtype)
         assert positive_numbers(row["uncached"], "cached_ms_per_token", "uncached_ms_per_token", "speedup")
-        assert math.isfinite(row["uncached"]["cached_ms_per_step"])  # a difference of two timings: noise can make it < 0
+        # a difference of two timings: noise can make it < 0
+        assert math.isfinite(row["uncached"]["cached_ms_per_step"])
         assert f"| {name} |" in run.stdout
     mha = result["variants"]["mha"]
     assert mha["train"]["x_mha"] == 1 and all(d["x_mha"] == 1 for d in mha["decode"])
     config = result["config"]
     # the paper's 1/H + r/d_h, plus each head's key RMS that the decoder caches (+1/(2 d_h))
-    lrkv_share = 1 / config["n_head"] + config["lrkv_rank"] / config["head_dim"] + 1 / (2 * config["head_dim"])
+    H, d_h = config["n_head"], config["head_dim"]
+    lrkv_share = 1 / H + config["lrkv_rank"] / d_h + 1 / (2 * d_h)
     assert math.isclose(result["variants"]["lrkv"]["decode"][0]["cache_pct_mha"], 100 * lrkv_share)

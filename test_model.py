@@ -4,11 +4,12 @@ forward pass, and the KV-cache sizes of section 2."""
 
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
-from model import ATTENTION, GPT, GPTConfig, compiled_step, fix, fixed_step, norm
+from model import ATTENTION, GPT, GPTConfig, norm
 from model import rms as cached_rms
 
 TINY = GPTConfig(
@@ -47,11 +48,20 @@ def lin(t, layer):
     return t @ layer.weight.double().t()
 
 
-def reference(table, attn, what):
-    """table[attn], or a failure that names the variant the table has no entry for."""
-    if attn not in table:
-        pytest.fail(f"no {what} for {attn}")
-    return table[attn]
+class Table(dict):
+    """A table of references with an entry per variant. A variant it lacks fails the test that
+    reads it, naming the table and the line that defines it: never a skip, never a default."""
+
+    def __init__(self, name, entries):
+        super().__init__(entries)
+        self.name = name
+
+    def __missing__(self, attn):
+        lines = Path(__file__).read_text().splitlines()
+        line = next(n for n, text in enumerate(lines, 1) if text.startswith(f"{self.name} = "))
+        pytest.fail(f"{self.name} has no entry for --attn={attn}: add one at test_model.py:{line} (or, for "
+                    "a variant defined in a test file, where that file registers its entries, as "
+                    "test_variant.py's REFERENCES)")
 
 
 def grouped_keys_values(kv_heads):
@@ -80,25 +90,26 @@ def mla_keys_values(attn, x, config):
     k_nope = lin(c, attn.W_up_k).view(T, H, d_h)
     v_all = lin(c, attn.W_up_v).view(T, H, d_h)
     k_rope = lin(x[0], attn.W_kr)
-    return [torch.cat((k_nope[:, h], k_rope), -1) for h in range(H)], [v_all[:, h] for h in range(H)], config.rope_head_dim
+    keys = [torch.cat((k_nope[:, h], k_rope), -1) for h in range(H)]
+    return keys, [v_all[:, h] for h in range(H)], config.rope_head_dim
 
 
 # Each variant's keys and values from the paper's formulas, and how many of each key's last dims
 # RoPE rotates: (layer, x (1, T, d) float64, config) -> (H keys (T, d_qk), H values (T, d_h), rot_dim)
-NAIVE_KEYS_VALUES = {
+NAIVE_KEYS_VALUES = Table("NAIVE_KEYS_VALUES", {
     "mha": grouped_keys_values(lambda config: config.n_head),
     "gqa": grouped_keys_values(lambda config: config.n_kv_head),
     "mqa": grouped_keys_values(lambda config: 1),
     "lrkv": lrkv_keys_values,
     "mla": mla_keys_values,
-}
+})
 
 
 def naive_attention(attn, x, config):
     """One head at a time, softmax written out, keys and values from the paper's formulas."""
     x = x.double()
     H, T = config.n_head, x.size(1)
-    keys, values, rot_dim = reference(NAIVE_KEYS_VALUES, config.attn, "naive reference")(attn, x, config)
+    keys, values, rot_dim = NAIVE_KEYS_VALUES[config.attn](attn, x, config)
     qk_dim = keys[0].size(-1)
     positions = torch.arange(T, dtype=torch.float64)
     Wq = attn.W_q.weight.double().view(H, qk_dim, -1)
@@ -120,7 +131,8 @@ def test_attention_matches_naive_reference(attn):
     rope = model.rope[:12]
     with torch.no_grad():
         fast = layer(x, rope)
-    torch.testing.assert_close(fast[0].double(), naive_attention(layer, x, model.config), atol=1e-5, rtol=1e-4)
+    naive = naive_attention(layer, x, model.config)
+    torch.testing.assert_close(fast[0].double(), naive, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("attn", ATTENTION)
@@ -227,12 +239,15 @@ def test_cached_rms_is_what_norm_divides_by(dtype, tol):
     assert torch.allclose(divided, norm(x).double(), rtol=tol, atol=tol)
 
 
-# The weights that make each key of a variant that caches key RMSs: scaled down, they leave
-# keys with a mean square far below bf16's eps
-KEY_WEIGHTS = {"lrkv": ("W_shared_k", "U_k"), "mla": ("W_up_k", "W_kr")}
+# The weights that make each variant's keys: scaled down, they leave keys with a mean square far
+# below bf16's eps, where the QK norm (and the key RMS that LRKV and MLA cache) must keep its fp32 eps
+KEY_WEIGHTS = Table("KEY_WEIGHTS", {
+    "mha": ("W_k",), "gqa": ("W_k",), "mqa": ("W_k",),
+    "lrkv": ("W_shared_k", "U_k"), "mla": ("W_up_k", "W_kr"),
+})
 
 
-@pytest.mark.parametrize("attn", KEY_WEIGHTS)
+@pytest.mark.parametrize("attn", ATTENTION)
 def test_bf16_single_token_steps_with_small_keys_match_the_full_forward(attn):
     model = tiny_model(attn).to(torch.bfloat16)
     with torch.no_grad():
@@ -265,19 +280,27 @@ def test_single_token_steps_match_a_chunk_over_64_positions(attn):
     assert (stepped - full[:, 8:]).abs().max() < 1e-4
 
 
-# Where each variant with a decode_step builds per-head keys, (object, method name, the number of
-# positions a call builds keys for, None when the call builds something else). For MLA that is
-# the W_up_k module's call: a step that used W_up_k.weight directly on the cache would escape it.
-KEY_BUILDERS = {
+# Where each variant builds per-head keys: (object, method name, the number of positions a call
+# builds keys for, None when the call builds something else). MHA, GQA and MQA build them with W_k
+# and cache them ready. For MLA it is the W_up_k module's call: a step that used W_up_k.weight
+# directly on the cache would escape it.
+def grouped_key_builder(layer):
+    return layer.W_k, "forward", lambda x: x.size(1)
+
+
+KEY_BUILDERS = Table("KEY_BUILDERS", {
+    "mha": grouped_key_builder, "gqa": grouped_key_builder, "mqa": grouped_key_builder,
     "lrkv": lambda layer: (layer, "residual", lambda R, factor: R.size(1) if factor is layer.B_k else None),
     "mla": lambda layer: (layer.W_up_k, "forward", lambda c: c.size(1)),
-}
+})
 
 
-@pytest.mark.parametrize("attn", KEY_BUILDERS)
+@pytest.mark.parametrize("attn", ATTENTION)
 def test_single_token_steps_build_keys_of_their_own_token_only(attn, monkeypatch):
-    """A single-token step builds its own token's per-head keys, for their RMS (which is cached),
-    and no cached position's: LRKV's R_h^K (B_h^K)^T, MLA's c W_up,h^K (which the query absorbs)."""
+    """A single-token step builds its own token's per-head keys and no cached position's: those
+    that MHA, GQA and MQA cache, and those LRKV and MLA build for the key RMS that they cache, where
+    a cached position's are never built (LRKV's R_h^K (B_h^K)^T, MLA's c W_up,h^K, which the query
+    absorbs)."""
     model = tiny_model(attn, block_size=64)
     positions = []
     for block in model.blocks:
@@ -307,7 +330,8 @@ def test_greedy_generation_is_the_same_with_and_without_cache(attn):
     assert torch.equal(cached, model.generate(prompt, 12, temperature=0, use_cache=False))
     sampled = model.generate(prompt, 12, temperature=0.8, top_k=5)
     assert sampled.shape == (2, 17) and sampled.max() < TINY.vocab_size
-    assert torch.equal(model.generate(prompt, 12, temperature=1.0, top_k=1), cached)  # top-1 sampling is greedy
+    top_1 = model.generate(prompt, 12, temperature=1.0, top_k=1)
+    assert torch.equal(top_1, cached)  # top-1 sampling is greedy
 
 
 def test_generation_draws_no_id_past_the_tokenizers_vocabulary():
@@ -318,30 +342,78 @@ def test_generation_draws_no_id_past_the_tokenizers_vocabulary():
     assert model.generate(prompt, 20, temperature=0, vocab_size=7)[:, 3:].max() < 7
 
 
-def test_generation_past_block_size_raises():
+def cropped_greedy(model, idx, n):
+    """idx and n greedy tokens, each from a full forward pass over the context that GPT.stream
+    documents: the last block_size tokens at most, starting again from the most recent half
+    (rounded up) whenever it would outgrow block_size."""
+    L = model.config.block_size
+    start = max(0, idx.size(1) - L)
+    for _ in range(n):
+        if idx.size(1) - start > L:
+            start = idx.size(1) - (L + 1) // 2
+        idx = torch.cat((idx, model(idx[:, start:])[0][:, -1].argmax(-1, keepdim=True)), dim=1)
+    return idx
+
+
+@pytest.mark.parametrize("attn", ATTENTION)
+def test_generation_goes_on_past_the_context_on_caches_of_block_size(attn, monkeypatch):
+    """Greedy tokens with the cache and without it are the reference's, the context cropped at the
+    same points, over more than twice block_size; every cache allocated is block_size long. In
+    float64: no near-tie between two logits can make a token differ."""
+    model = tiny_model(attn).double()
+    lengths = []
+    new_caches = model.new_caches
+    monkeypatch.setattr(model, "new_caches", lambda *a, **k: lengths.append(a[1]) or new_caches(*a, **k))
+    L = TINY.block_size
+    prompt = torch.randint(0, TINY.vocab_size, (2, 5))
+    expected = cropped_greedy(model, prompt, 2 * L + 20)
+    assert torch.equal(model.generate(prompt, 2 * L + 20, temperature=0), expected)
+    assert lengths == [L] * 5  # the prompt's, and new starts at 33, 50, 67 and 84 tokens
+    assert torch.equal(model.generate(prompt, 2 * L + 20, temperature=0, use_cache=False), expected)
+    long_prompt = torch.randint(0, TINY.vocab_size, (2, L + 7))  # cropped to its last L tokens
+    assert torch.equal(model.generate(long_prompt, 9, temperature=0), cropped_greedy(model, long_prompt, 9))
+
+
+def test_what_exceeds_block_size_is_refused():
     model = tiny_model("mha")
-    with pytest.raises(ValueError, match="block_size"):
-        model.generate(torch.zeros(1, 30, dtype=torch.long), 3)
+    with pytest.raises(ValueError, match="sequence of 33 tokens is longer than block_size = 32"):
+        model(torch.zeros(1, 33, dtype=torch.long))
+    with pytest.raises(ValueError, match="a KV cache of 33 tokens exceeds block_size = 32"):
+        model.new_caches(1, 33)
+    caches = model.new_caches(1, 32)
+    model(torch.zeros(1, 30, dtype=torch.long), caches=caches)
+    with pytest.raises(ValueError, match="KV cache holds 32 tokens, 33 were asked for"):
+        model(torch.zeros(1, 3, dtype=torch.long), caches=caches)
 
 
-PAPER_CACHE_MIB = {"mha": 72, "gqa": 36, "mqa": 12, "lrkv": 37.875, "mla": 9}
-# LRKV's and MLA's decoders also cache each head's key RMS, which the paper does not count: 12
-# layers x 2048 tokens x 6 heads x 2 bytes (+0.7% and +3.1%; see LowRankKVAttention and
-# MultiHeadLatentAttention)
+# Each variant's KV cache at 128M (12 layers, 2,048 tokens, bf16), in MiB, keys and values as the
+# paper counts them (section 2)
+PAPER_CACHE_MIB = Table("PAPER_CACHE_MIB", {"mha": 72, "gqa": 36, "mqa": 12, "lrkv": 37.875, "mla": 9})
+# What each decoder caches besides: LRKV's and MLA's also cache each head's key RMS, which the paper
+# does not count, 12 layers x 2048 tokens x 6 heads x 2 bytes (+0.7% and +3.1%; see
+# LowRankKVAttention and MultiHeadLatentAttention)
 KEY_RMS_MIB = 12 * 2048 * 6 * 2 / MIB
-DECODER_EXTRA_MIB = {"lrkv": KEY_RMS_MIB, "mla": KEY_RMS_MIB}
+DECODER_EXTRA_MIB = Table("DECODER_EXTRA_MIB", {
+    "mha": 0, "gqa": 0, "mqa": 0, "lrkv": KEY_RMS_MIB, "mla": KEY_RMS_MIB,
+})
+# Each variant's cached elements per token and layer, all of them, from its formula
+CACHE_ELEMENTS = Table("CACHE_ELEMENTS", {
+    "mha": lambda c: 2 * c.n_head * c.head_dim,
+    "gqa": lambda c: 2 * c.n_kv_head * c.head_dim,
+    "mqa": lambda c: 2 * c.head_dim,
+    "lrkv": lambda c: 2 * c.head_dim + 2 * c.n_head * c.lrkv_rank + c.n_head,
+    "mla": lambda c: c.kv_lora_rank + c.rope_head_dim + c.n_head,
+})
 
 
 @pytest.mark.parametrize("attn", ATTENTION)
 def test_kv_cache_bytes_of_the_128m_model(attn):
     with torch.device("meta"):
         model = GPT(GPTConfig(attn=attn))
-    paper_mib = reference(PAPER_CACHE_MIB, attn, "cache size in the paper")
-    assert model.kv_cache_bytes(1, 2048, torch.bfloat16) == (paper_mib + DECODER_EXTRA_MIB.get(attn, 0)) * MIB
+    mib = PAPER_CACHE_MIB[attn] + DECODER_EXTRA_MIB[attn]
+    assert model.kv_cache_bytes(1, 2048, torch.bfloat16) == mib * MIB
     H, d_h, c = model.config.n_head, model.config.head_dim, model.config
-    per_token = {"mha": 2 * H * d_h, "gqa": 2 * c.n_kv_head * d_h, "mqa": 2 * d_h,
-                 "mla": c.kv_lora_rank + c.rope_head_dim + H, "lrkv": 2 * d_h + 2 * H * c.lrkv_rank + H}
-    assert model.kv_cache_elements_per_token() == reference(per_token, attn, "cache elements per token")
+    assert model.kv_cache_elements_per_token() == CACHE_ELEMENTS[attn](c)
     if attn == "lrkv":  # the paper's cache fraction 1/H + r/d_h = 52.6%, plus 1/(2 d_h) for the RMSs: 53.0%
         fraction = 1 / H + c.lrkv_rank / d_h + 1 / (2 * d_h)
         assert model.kv_cache_elements_per_token() / (2 * H * d_h) == pytest.approx(fraction)
@@ -352,25 +424,36 @@ def test_generation_allocates_exactly_the_predicted_cache(attn, monkeypatch):
     model = tiny_model(attn)
     allocated = []
     new_caches = model.new_caches
-    monkeypatch.setattr(model, "new_caches", lambda *a, **k: allocated.append(new_caches(*a, **k)) or allocated[-1])
+    monkeypatch.setattr(model, "new_caches",
+                        lambda *a, **k: allocated.append(new_caches(*a, **k)) or allocated[-1])
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model.generate(torch.zeros(3, 4, dtype=torch.long), 6)
     buffers = [b for cache in allocated[0] for b in cache.buffers()]
     assert all(b.dtype == torch.bfloat16 and b.shape[:2] == (3, 10) for b in buffers)
     assert sum(b.numel() * b.element_size() for b in buffers) == model.kv_cache_bytes(3, 10, torch.bfloat16)
-    assert model.kv_cache_bytes(3, 10, torch.bfloat16) == 2 * 3 * 10 * TINY.n_layer * model.kv_cache_elements_per_token()
+    elements = 3 * 10 * TINY.n_layer * model.kv_cache_elements_per_token()
+    assert model.kv_cache_bytes(3, 10, torch.bfloat16) == 2 * elements
+
+
+def test_caches_default_to_the_weights_dtype():
+    model = tiny_model("lrkv")
+    for dtype in (torch.float32, torch.bfloat16):
+        model.to(dtype)
+        assert {b.dtype for cache in model.new_caches(2, 8) for b in cache.buffers()} == {dtype}
+        assert model.kv_cache_bytes(2, 8) == model.kv_cache_bytes(2, 8, dtype)
 
 
 # Each variant's parameters per layer besides W_q, W_o and the MLP, from its formula (MHA's and
 # LRKV's are the paper's section 1), and the width of its q/k heads: (K/V-side parameters, d_qk)
-ATTENTION_PARAMS = {
+ATTENTION_PARAMS = Table("ATTENTION_PARAMS", {
     "mha": lambda c: (2 * c.n_head * c.n_embd * c.head_dim, c.head_dim),
     "gqa": lambda c: (2 * c.n_kv_head * c.n_embd * c.head_dim, c.head_dim),
     "mqa": lambda c: (2 * c.n_embd * c.head_dim, c.head_dim),
-    "lrkv": lambda c: (2 * c.n_embd * c.head_dim + 2 * c.n_head * c.lrkv_rank * (c.n_embd + c.head_dim), c.head_dim),
-    "mla": lambda c: (c.n_embd * c.kv_lora_rank + 2 * c.kv_lora_rank * c.n_head * c.head_dim + c.n_embd * c.rope_head_dim,
-                      c.head_dim + c.rope_head_dim),
-}
+    "lrkv": lambda c: (2 * c.n_embd * c.head_dim + 2 * c.n_head * c.lrkv_rank * (c.n_embd + c.head_dim),
+                       c.head_dim),
+    "mla": lambda c: (c.n_embd * c.kv_lora_rank + 2 * c.kv_lora_rank * c.n_head * c.head_dim
+                      + c.n_embd * c.rope_head_dim, c.head_dim + c.rope_head_dim),
+})
 
 
 @pytest.mark.parametrize("attn", ATTENTION)
@@ -378,7 +461,7 @@ def test_parameter_and_flop_counts_follow_each_variants_formula(attn):
     """At 128M: the parameters, and the training FLOPs per token, 6 per weight of every matmul (all
     but the embedding) plus 6 per multiply-add of q k^T and a v over T keys, q/k heads d_qk wide."""
     c = GPTConfig(attn=attn)
-    kv, d_qk = reference(ATTENTION_PARAMS, attn, "parameter formula")(c)
+    kv, d_qk = ATTENTION_PARAMS[attn](c)
     per_layer = kv + c.n_embd * c.n_head * d_qk + c.n_head * c.head_dim * c.n_embd + 8 * c.n_embd ** 2
     with torch.device("meta"):
         model = GPT(c)
@@ -389,11 +472,13 @@ def test_parameter_and_flop_counts_follow_each_variants_formula(attn):
 
 
 def grouped_head_keys(layer, x, c):
-    return layer.W_k(x).view(len(x), layer.n_kv_head, c.head_dim).repeat_interleave(c.n_head // layer.n_kv_head, dim=1)
+    G = layer.n_kv_head
+    return layer.W_k(x).view(len(x), G, c.head_dim).repeat_interleave(c.n_head // G, dim=1)
 
 
 def lrkv_head_keys(layer, x, c):
-    return layer.W_shared_k(x)[:, None] + layer.residual(layer.U_k(x).view(1, len(x), c.n_head, c.lrkv_rank), layer.B_k)[0]
+    r_k = layer.U_k(x).view(1, len(x), c.n_head, c.lrkv_rank)
+    return layer.W_shared_k(x)[:, None] + layer.residual(r_k, layer.B_k)[0]
 
 
 def mla_head_keys(layer, x, c):  # the latent norm taken as identity
@@ -403,8 +488,10 @@ def mla_head_keys(layer, x, c):  # the latent norm taken as identity
 
 # Each variant's per-head keys (N, H, d_qk) for x (N, d), from its own projections, before the QK
 # norm and RoPE
-HEAD_KEYS = {"mha": grouped_head_keys, "gqa": grouped_head_keys, "mqa": grouped_head_keys,
-             "lrkv": lrkv_head_keys, "mla": mla_head_keys}
+HEAD_KEYS = Table("HEAD_KEYS", {
+    "mha": grouped_head_keys, "gqa": grouped_head_keys, "mqa": grouped_head_keys, "lrkv": lrkv_head_keys,
+    "mla": mla_head_keys,
+})
 
 
 @pytest.mark.parametrize("attn", ATTENTION)
@@ -416,10 +503,18 @@ def test_head_qk_weights_match_each_variants_projections(attn):
     assert Wq.shape == Wk.shape == (c.n_head, c.n_embd, layer.qk_dim)
     H = c.n_head
     q = layer.W_q(x).view(5, H, layer.qk_dim)
-    k = reference(HEAD_KEYS, attn, "per-head keys")(layer, x, c)
+    k = HEAD_KEYS[attn](layer, x, c)
     for h in range(H):
         torch.testing.assert_close(x @ Wq[h], q[:, h], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(x @ Wk[h], k[:, h], atol=1e-5, rtol=1e-5)
+
+
+def test_the_readme_names_every_reference_table():
+    """README.md's "Adding a variant" lists every table that a new variant needs an entry in."""
+    readme = (Path(__file__).parent / "README.md").read_text()
+    section = readme.split("## Adding a variant")[1].split("\n## ")[0]
+    tables = [name for name, value in globals().items() if isinstance(value, Table)]
+    assert tables and [name for name in tables if f"`{name}`" not in section] == []
 
 
 @pytest.mark.parametrize("overrides, field", [
@@ -525,55 +620,3 @@ def test_what_cannot_convert_is_refused(attn, overrides, message):
 def test_mla_gives_no_per_head_projections():
     with pytest.raises(ValueError, match="--attn=mla gives no per-head key and value projections"):
         converted(tiny_model("mla"), "mha")
-
-
-# The fixed-shape single-token step (KVCache.fixed): what torch.compile captures once
-
-def fixed_steps(model, idx, prefix, step):
-    """idx's logits from position prefix on: a prompt of prefix tokens, then each token through
-    step(model, token, caches) on fixed-shape caches, advancing their shared position."""
-    caches = model.new_caches(idx.size(0), idx.size(1), dtype=torch.float32)
-    model(idx[:, :prefix], caches=caches)
-    fix(caches)
-    logits = []
-    for t in range(prefix, idx.size(1)):
-        logits.append(step(model, idx[:, t:t + 1], caches))
-        caches[0].pos += 1
-    return torch.stack(logits, dim=1)
-
-
-@pytest.mark.parametrize("attn", ATTENTION)
-def test_fixed_shape_steps_equal_the_full_forward(attn):
-    """Every step attends over the whole max_len cache, the positions not yet written masked."""
-    model = tiny_model(attn)
-    idx = torch.randint(0, TINY.vocab_size, (2, 24))
-    with torch.no_grad():
-        full = model(idx)[0]
-        stepped = fixed_steps(model, idx, 6, fixed_step)
-    assert (stepped - full[:, 6:]).abs().max() < 1e-4
-
-
-@pytest.mark.parametrize("attn", ATTENTION)
-def test_the_fixed_shape_step_is_one_graph_at_every_position(attn):
-    """Captured whole (fullgraph) and never recompiled as the position moves: the step that
-    compiled_step compiles, traced here by dynamo without inductor's code generation."""
-    model = tiny_model(attn)
-    idx = torch.randint(0, TINY.vocab_size, (2, 24))
-    torch._dynamo.reset()
-    traced = torch.compile(fixed_step, backend="aot_eager", fullgraph=True)
-    with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
-        assert torch.equal(fixed_steps(model, idx, 6, traced), fixed_steps(model, idx, 6, fixed_step))
-        fixed_steps(model, idx, 9, traced)  # new caches, another starting position: the same graph
-
-
-@pytest.mark.parametrize("attn", ["mha", "lrkv"])
-def test_compiled_generation_is_eager_generation(attn):
-    """generate(compile=True), inductor's code and all, gives eager's greedy tokens, and the same
-    logits to fp32 rounding."""
-    model = tiny_model(attn)
-    prompt = torch.randint(0, TINY.vocab_size, (2, 5))
-    torch._dynamo.reset()
-    assert torch.equal(model.generate(prompt, 12, temperature=0, compile=True), model.generate(prompt, 12, temperature=0))
-    idx = torch.randint(0, TINY.vocab_size, (2, 24))
-    with torch.no_grad():
-        assert (fixed_steps(model, idx, 6, compiled_step) - fixed_steps(model, idx, 6, fixed_step)).abs().max() < 1e-5

@@ -121,7 +121,8 @@ def test_gpt2_is_tiktokens_r50k_base(monkeypatch):
     text = ("<|endoftext|>x<|endoftext|> <|fim_prefix|><|endofprompt|> <|endoftext\n"
             "  two  spaces,\ttabs\t\t and trailing   \n\n\n   \r\n \u00a0nbsp\u3000ideographic\u200bzwsp\n"
             "it's we'll they'RE I'd don\u2019t 123456789 3.14159 1,000,000 x2y3\n"
-            "ünïcödé 数据 naïve café 🙂 \U0001f469\u200d\U0001f467 العربية नमस्ते ﷽\n"
+            "ünïcödé 数据 naïve café 🙂 \U0001f469\u200d\U0001f467 "
+            "العربية नमस्ते ﷽\n"
             + " ".join(make_texts(20)) + "   ")
     for special in ({"disallowed_special": ()}, {"allowed_special": "all"}):
         assert ours.encode(text, **special) == theirs.encode(text, **special)
@@ -279,7 +280,8 @@ def test_rerun_killed_at_the_token_limit_adds_nothing(tmp_path, monkeypatch):
 def test_load_meta_names_the_command(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cases = {"data/pydocs-byte": "`python prepare_data.py --dataset=pydocs --tokenizer=byte`",
-             tmp_path / "fineweb-edu-gpt2": f"--dataset=fineweb-edu --tokenizer=gpt2 --out_dir={tmp_path}/fineweb-edu-gpt2`",
+             tmp_path / "fineweb-edu-gpt2":
+                 f"--dataset=fineweb-edu --tokenizer=gpt2 --out_dir={tmp_path}/fineweb-edu-gpt2`",
              "mine": "--dataset=... --tokenizer=... --out_dir=mine`"}
     for data_dir, command in cases.items():
         with pytest.raises(FileNotFoundError, match=re.escape(command)):
@@ -323,7 +325,8 @@ def test_other_settings_do_not_overwrite(tmp_path):
     (tmp_path / "in").mkdir()
     for i, text in enumerate(texts):
         (tmp_path / "in" / f"{i:02d}.txt").write_text(text)
-    args = ["--dataset=text", "--tokenizer=byte", f"--input={tmp_path / 'in'}", f"--out_dir={tmp_path / 'out'}"]
+    args = ["--dataset=text", "--tokenizer=byte", f"--input={tmp_path / 'in'}",
+            f"--out_dir={tmp_path / 'out'}"]
     pd.main(args)
     before = snapshot(tmp_path / "out")
     result = run_cli(*args, "--val_fraction=0.5")

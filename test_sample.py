@@ -14,6 +14,7 @@ import torch
 import prepare_data
 import sample
 import train
+from fast_decode import compiled_decode
 from model import GPT
 from test_train import data_dir, flags  # noqa: F401 (data_dir is a fixture)
 
@@ -46,12 +47,12 @@ def run(capsys, ckpt, *args):
     return samples, last
 
 
-def reference(model, prompt, **kwargs):
+def reference(model, prompt, max_new_tokens=NEW, **kwargs):
     """What sample.py prints of one sample, from generate(): the text up to the end-of-text that
     ends the document, and the tokens drawn up to it, it included."""
     ids = [BYTES.eot_id, *BYTES.encode_batch([prompt])[0].tolist()]
-    new = model.generate(torch.tensor([ids]), NEW, **kwargs)[0, len(ids):].tolist()
-    drawn = new.index(BYTES.eot_id) + 1 if BYTES.eot_id in new else NEW
+    new = model.generate(torch.tensor([ids]), max_new_tokens, **kwargs)[0, len(ids):].tolist()
+    drawn = new.index(BYTES.eot_id) + 1 if BYTES.eot_id in new else max_new_tokens
     return BYTES.decode(ids + new[:drawn]), drawn
 
 
@@ -81,9 +82,9 @@ def fake_stream(monkeypatch, tokens, before_each=lambda: None):
     the arguments of each call."""
     drawn, calls = [], []
 
-    def stream(self, idx, max_new_tokens, temperature, top_k, use_cache, compile, vocab_size):
+    def stream(self, idx, max_new_tokens, temperature, top_k, use_cache, step, vocab_size):
         assert vocab_size == BYTES.vocab_size
-        calls.append((idx.tolist(), max_new_tokens, temperature, top_k, use_cache, compile))
+        calls.append((idx.tolist(), max_new_tokens, temperature, top_k, use_cache, step))
         for token in tokens:
             before_each()
             drawn.append(token)
@@ -95,11 +96,12 @@ def fake_stream(monkeypatch, tokens, before_each=lambda: None):
 def test_the_flags_reach_stream(capsys, monkeypatch, ckpt):
     calls = fake_stream(monkeypatch, [])[1]
     run(capsys, ckpt)
-    run(capsys, ckpt, f"--prompt={PROMPT}", "--temperature=0.5", "--top_k=none", "--no_cache", "--num_samples=2")
+    run(capsys, ckpt, f"--prompt={PROMPT}", "--temperature=0.5", "--top_k=none", "--no_cache",
+        "--num_samples=2")
     run(capsys, ckpt, "--compile")
-    assert calls == ([([[BYTES.eot_id]], NEW, 0.8, 200, True, False)]
-                     + [([[BYTES.eot_id, *PROMPT.encode()]], NEW, 0.5, None, False, False)] * 2
-                     + [([[BYTES.eot_id]], NEW, 0.8, 200, True, True)])
+    assert calls == ([([[BYTES.eot_id]], NEW, 0.8, 200, True, None)]
+                     + [([[BYTES.eot_id, *PROMPT.encode()]], NEW, 0.5, None, False, None)] * 2
+                     + [([[BYTES.eot_id]], NEW, 0.8, 200, True, compiled_decode)])
 
 
 def test_end_of_text_ends_a_sample(capsys, monkeypatch, ckpt):
@@ -126,24 +128,37 @@ def test_the_last_line_reports_speed_and_kv_cache_bytes(capsys, ckpt):
         model = train.load_checkpoint(ckpt, "cpu")[1].to(dtype)
         size = model.kv_cache_bytes(1, 1 + NEW, dtype)  # the default prompt is one end-of-text token
         assert size < 2**20
-        match = re.fullmatch(stats + re.escape(f"KV cache {size / 2**10:.1f} KiB ({name}, 1 x {1 + NEW} tokens)\n"), last)
+        cache = f"KV cache {size / 2**10:.1f} KiB ({name}, 1 x {1 + NEW} tokens)\n"
+        match = re.fullmatch(stats + re.escape(cache), last)
         assert match and int(match[1]) == reference(model, "", temperature=0)[1] and int(match[3]) > 0, last
     assert re.fullmatch(stats + r"no KV cache \(--no_cache\)\n", run(capsys, ckpt, "--no_cache")[1])
+
+
+def test_a_sample_goes_on_past_the_models_context(capsys, ckpt, model, tmp_path):
+    """1000 tokens from a model of block_size 32, and a prompt longer than it: each sample is
+    generate()'s, which crops the context, and the KV cache reported is the one allocated, block_size
+    tokens."""
+    samples, last = run(capsys, ckpt, "--temperature=0", "--max_new_tokens=1000")
+    text, drawn = reference(model, "", 1000, temperature=0)
+    assert drawn == 1000 and samples == [text] and last.startswith("1 sample, 1000 tokens in ")
+    size = model.kv_cache_bytes(1, model.config.block_size)
+    assert last.endswith(f"KV cache {size / 2**10:.1f} KiB (float32, 1 x {model.config.block_size} tokens)\n")
+    (tmp_path / "long.txt").write_text(PROMPT * 20)
+    samples = run(capsys, ckpt, "--temperature=0", f"--prompt=FILE:{tmp_path / 'long.txt'}")[0]
+    assert samples == [reference(model, PROMPT * 20, temperature=0)[0]]
 
 
 def bad_inputs(ckpt, tmp_path):
     """(arguments, what the error line says) for each kind of bad input."""
     junk, untokenized = tmp_path / "junk.pt", tmp_path / "old.pt"
     junk.write_bytes(b"not a checkpoint")
-    torch.save({k: v for k, v in torch.load(ckpt, weights_only=True).items() if k != "tokenizer"}, untokenized)
-    (tmp_path / "long.txt").write_text("x" * 30)
+    saved = torch.load(ckpt, weights_only=True)
+    torch.save({k: v for k, v in saved.items() if k != "tokenizer"}, untokenized)
     unavailable = "mps" if torch.cuda.is_available() else "cuda"
     return [
         ([tmp_path / "missing.pt"], "missing.pt: No such file or directory"),
         ([junk], "junk.pt: not a PyTorch checkpoint"),
         ([untokenized], "old.pt: has no 'tokenizer'"),
-        ([ckpt, "--max_new_tokens=32"], "1 tokens + --max_new_tokens=32 = 33 exceed the model's block_size = 32"),
-        ([ckpt, f"--prompt=FILE:{tmp_path / 'long.txt'}", "--max_new_tokens=2"], "31 tokens + --max_new_tokens=2 = 33"),
         ([ckpt, "--prompt=FILE:"], "--prompt=FILE:: No such file or directory"),
         ([ckpt, f"--prompt=FILE:{tmp_path}"], "Is a directory"),
         ([ckpt, "--bogus"], "unrecognized arguments: --bogus"),
@@ -165,14 +180,17 @@ def test_auto_dtype_is_the_precision_policy_unless_the_run_chose_float32(ckpt):
 
 def test_bad_input_is_one_line_and_exit_code_2(capsys, ckpt, tmp_path):
     for args, says in bad_inputs(ckpt, tmp_path):
-        assert sample.main(["--device=cpu", *map(str, args)]) == 2, args  # a --device in args comes later: it wins
+        # a --device in args comes later: it wins
+        assert sample.main(["--device=cpu", *map(str, args)]) == 2, args
         out, err = capsys.readouterr()
-        assert out == "" and err.count("\n") == 1 and err.startswith("sample.py: ") and says in err, (args, err)
+        assert out == "" and err.count("\n") == 1, (args, err)
+        assert err.startswith("sample.py: ") and says in err, (args, err)
 
 
 def test_bad_input_from_the_command_line(ckpt, tmp_path):
     # one case: the script's exit code and stderr are main()'s, and each start imports torch for seconds
     args, says = bad_inputs(ckpt, tmp_path)[1]  # the junk checkpoint
-    result = subprocess.run([sys.executable, "sample.py", *map(str, args)], cwd=REPO, capture_output=True, text=True,
-                            timeout=60)
-    assert result.returncode == 2 and result.stdout == "" and result.stderr.count("\n") == 1 and says in result.stderr
+    result = subprocess.run([sys.executable, "sample.py", *map(str, args)], cwd=REPO, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and says in result.stderr

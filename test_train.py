@@ -20,9 +20,9 @@ from model import GPT, GPTConfig
 
 REPO = Path(__file__).resolve().parent
 STEPS, STOP = 12, 5
-TINY = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, head_dim=16, n_embd=32, attn="lrkv", lrkv_rank=4,
-            batch_size=4, micro_batch_size=2, max_steps=STEPS, warmup_steps=2, eval_interval=STOP, eval_tokens=512,
-            log_interval=1, device="cpu")
+TINY = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, head_dim=16, n_embd=32, attn="lrkv",
+            lrkv_rank=4, batch_size=4, micro_batch_size=2, max_steps=STEPS, warmup_steps=2,
+            eval_interval=STOP, eval_tokens=512, log_interval=1, device="cpu")
 
 
 def flags(**overrides):
@@ -89,8 +89,8 @@ def test_resume_reproduces_the_uninterrupted_run(data_dir, full_run, tmp_path):
 
 def test_two_gloo_processes_match_one(data_dir, full_run, tmp_path):
     # one process accumulates two micro batches of 2 a step; two processes take one each and DDP averages
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-               *flags(data_dir=data_dir, out_dir=tmp_path)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "train.py", *flags(data_dir=data_dir, out_dir=tmp_path)]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     expected, split = records(full_run, "loss"), records(tmp_path, "loss")
@@ -121,7 +121,8 @@ def test_loss_and_bits_per_byte_are_exact():
     table = torch.randn(8, 8)  # logits for the next token, by the current token
     bytes_per_token = torch.tensor([0, 1, 2, 3, 4, 1, 2, 3])
     tokens = torch.tensor([0, 3, 1, 0, 7, 4, 2, 0, 5])  # two windows of 4 targets each
-    loss, bpb = train.evaluate(lambda idx: (table[idx], None), tokens, bytes_per_token, 4, 1, nullcontext(), 0, 1)
+    loss, bpb = train.evaluate(lambda idx: (table[idx], None), tokens, bytes_per_token, 4, 1, nullcontext(),
+                               0, 1)
     nats = [-torch.log_softmax(table[a].double(), 0)[b].item() for a, b in zip(tokens[:-1], tokens[1:])]
     nbytes = [bytes_per_token[b].item() for b in tokens[1:]]
     assert loss == pytest.approx(sum(nats) / len(nats))
@@ -135,12 +136,13 @@ def test_schedule_and_optimizers():
     assert train.lr_multiplier(55, cfg) == pytest.approx(0.5)
     assert 0 < train.lr_multiplier(99, cfg) < 1e-3
 
-    model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, head_dim=16, n_embd=32, attn="lrkv",
-                          lrkv_rank=4))
+    model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, head_dim=16, n_embd=32,
+                          attn="lrkv", lrkv_rank=4))
     muon, adamw = train.configure_optimizers(model, cfg)
     assert isinstance(muon, train.Muon)
     assert {id(p) for p in muon.param_groups[0]["params"]} == {id(p) for p in model.blocks.parameters()}
-    assert [[id(p) for p in g["params"]] for g in adamw.param_groups] == [[id(model.wte.weight)], [id(model.lm_head.weight)]]
+    groups = [[id(p) for p in g["params"]] for g in adamw.param_groups]
+    assert groups == [[id(model.wte.weight)], [id(model.lm_head.weight)]]
     assert [g["lr"] for g in adamw.param_groups] == [0.2, 0.004]
     (only,) = train.configure_optimizers(model, train.TrainConfig(optimizer="adamw"))
     assert sum(len(g["params"]) for g in only.param_groups) == len(list(model.parameters()))
@@ -156,9 +158,11 @@ def test_muon_in_bf16_matches_torch_muon():
     torch.manual_seed(0)
     shapes, steps, lr = [(32, 96), (32, 96), (96, 32), (96, 32), (48, 48), (48, 48)], 5, 0.02
     start = [torch.randn(shape) for shape in shapes]
-    ours, theirs = [torch.nn.Parameter(w.clone()) for w in start], [torch.nn.Parameter(w.clone()) for w in start]
+    ours = [torch.nn.Parameter(w.clone()) for w in start]
+    theirs = [torch.nn.Parameter(w.clone()) for w in start]
     opts = [train.Muon(ours, lr=lr, weight_decay=0.1, momentum=0.9, nesterov=True, ns_dtype=torch.bfloat16),
-            torch.optim.Muon(theirs, lr=lr, weight_decay=0.1, momentum=0.9, nesterov=True, adjust_lr_fn="original")]
+            torch.optim.Muon(theirs, lr=lr, weight_decay=0.1, momentum=0.9, nesterov=True,
+                             adjust_lr_fn="original")]
     for _ in range(steps):
         for p, q in zip(ours, theirs):
             p.grad = torch.randn(p.shape)
@@ -245,10 +249,12 @@ dist.init_process_group("gloo")
 torch.save(test_train.muon_steps(), {str(tmp_path)!r} + f"/rank{{dist.get_rank()}}.pt")
 dist.destroy_process_group()
 """)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "shard.py"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "shard.py"]
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    (weights0, state0), (weights1, state1) = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    (weights0, state0), (weights1, state1) = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True)
+                                              for r in (0, 1)]
     weights, state = muon_steps()
     # the ranks share the very same new weights; against one process, Newton-Schulz ran on smaller
     # stacks, so allow test_muon_matches_torch_muon's bf16 bound (equal on the machines tried)
@@ -290,7 +296,8 @@ def test_a_diverging_run_stops_and_keeps_its_last_checkpoint(data_dir, tmp_path,
     assert train.main(flags(data_dir=data_dir, out_dir=tmp_path, max_steps=2, eval_interval=2)) == 0
     kept = (tmp_path / "ckpt.pt").read_bytes()
     capsys.readouterr()
-    assert train.main(flags(data_dir=data_dir, out_dir=tmp_path, max_steps=4, eval_interval=2, muon_lr="inf")) == 1
+    diverging = flags(data_dir=data_dir, out_dir=tmp_path, max_steps=4, eval_interval=2, muon_lr="inf")
+    assert train.main(diverging) == 1
     err = capsys.readouterr().err
     assert "the loss is nan; stopping" in err and "left as it was" in err
     assert (tmp_path / "ckpt.pt").read_bytes() == kept
@@ -346,8 +353,8 @@ def test_init_from_starts_a_new_run_at_the_checkpoints_loss(data_dir, full_run, 
     expected = torch.load(source / "ckpt.pt", weights_only=True)["val_loss"]
     for name, attn in (("same", dict(attn="mha")), ("lrkv", dict(attn="lrkv", lrkv_rank=16))):
         out = tmp_path / name
-        assert train.main(flags(data_dir=data_dir, out_dir=out, max_steps=3, eval_interval=3, init_from=source / "ckpt.pt",
-                                **attn)) == 0
+        assert train.main(flags(data_dir=data_dir, out_dir=out, max_steps=3, eval_interval=3,
+                                init_from=source / "ckpt.pt", **attn)) == 0
         val = records(out, "val_loss")
         assert sorted(val) == [0, 3] and sorted(records(out, "loss")) == [1, 2, 3]
         assert val[0] == expected if name == "same" else abs(val[0] - expected) < 1e-5
@@ -355,9 +362,11 @@ def test_init_from_starts_a_new_run_at_the_checkpoints_loss(data_dir, full_run, 
         assert ckpt["step"] == 3 and ckpt["config"]["init_from"] == str(source / "ckpt.pt")
     # its --resume jobs go on from their own checkpoint, given the same --init_from
     out = tmp_path / "split"
-    split = flags(data_dir=data_dir, out_dir=out, max_steps=3, eval_interval=3, init_from=source / "ckpt.pt", attn="mqa")
+    split = flags(data_dir=data_dir, out_dir=out, max_steps=3, eval_interval=3, init_from=source / "ckpt.pt",
+                  attn="mqa")
     assert train.main(split + ["--stop_after=2"]) == 0
-    assert train.main(flags(data_dir=data_dir, out_dir=out, max_steps=3, eval_interval=3, attn="mqa") + ["--resume"]) == 2
+    plain = flags(data_dir=data_dir, out_dir=out, max_steps=3, eval_interval=3, attn="mqa")
+    assert train.main(plain + ["--resume"]) == 2
     assert train.main(split + ["--resume"]) == 0
     assert sorted(records(out, "loss")) == [1, 2, 3] and sorted(records(out, "val_loss")) == [0, 2, 3]
 
@@ -369,7 +378,8 @@ def test_init_from_starts_a_new_run_at_the_checkpoints_loss(data_dir, full_run, 
     ("mla", "MLA is not converted to"),
     ("its own", "is this run's own checkpoint"),
 ])
-def test_a_bad_init_from_is_one_line_and_writes_nothing(problem, message, data_dir, full_run, tmp_path, capsys):
+def test_a_bad_init_from_is_one_line_and_writes_nothing(problem, message, data_dir, full_run, tmp_path,
+                                                        capsys):
     out = tmp_path / "out"
     init, extra = full_run / "ckpt.pt", {}
     if problem == "missing":

@@ -1,9 +1,13 @@
-"""A sixth attention variant, written here and registered for these tests only: GQA whose query
-heads share the G key/value heads interleaved (head h reads head h mod G) instead of in
-contiguous groups. No other file knows it, yet it goes through test_model.py's generic tests,
-train.py (a run and its resume), analyze.py and bench.py: the README's "write the class,
-register it" is all a variant takes."""
+"""Two attention variants written here and registered for these tests only, which no other file
+knows: GQA whose query heads share the G key/value heads interleaved (head h reads head h mod G)
+instead of in contiguous groups, and LRK, LRKV's keys with one value that every head shares, as
+MQA's, a subclass of LowRankKVAttention that reuses its decoding. Each goes through every test of
+test_model.py and test_fast_decode.py that runs on every variant, with an entry in each of
+test_model.py's tables (REFERENCES); the interleaved one also through train.py (a run and its
+resume), analyze.py and bench.py. The README's "write the class, register it, give the tables an
+entry" is all a variant takes."""
 
+import inspect
 import json
 
 import pytest
@@ -13,12 +17,11 @@ import analyze
 import bench
 import model
 import test_analyze
+import test_fast_decode
 import test_model
 import train
-from model import GroupedQueryAttention, apply_rope, norm
+from model import GroupedQueryAttention, LowRankKVAttention, apply_rope, norm
 from test_train import data_dir, flags  # noqa: F401 (data_dir is a fixture)
-
-NAME = "gqa_interleaved"
 
 
 class InterleavedGroupedQueryAttention(GroupedQueryAttention):
@@ -44,53 +47,135 @@ class InterleavedGroupedQueryAttention(GroupedQueryAttention):
         # SDPA's enable_gqa groups heads contiguously: tile the G heads H/G times instead, so that
         # head h meets head h mod G
         tiles = self.n_head // self.n_kv_head
-        return self.project_out(self.attend(q, k.repeat(1, 1, tiles, 1), v.repeat(1, 1, tiles, 1)))
+        return self.project_out(self.attend(q, k.repeat(1, 1, tiles, 1), v.repeat(1, 1, tiles, 1), cache))
 
     def head_qk_weights(self):
         Wk = self.W_k.weight.view(self.n_kv_head, self.head_dim, -1).transpose(1, 2)  # (G, d, d_h)
         return self.query_weights(), Wk.repeat(self.n_head // self.n_kv_head, 1, 1)
 
 
-def naive_keys_values(attn, x, config):
+class LowRankKeyAttention(LowRankKVAttention):
+    """LRK: LRKV's keys, K_h = X W_shared^K + (X U_h^K)(B_h^K)^T, and one value V = X W_shared^V that
+    every head shares, as MQA's. LRKV's decode reads this value half through the four methods below."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        del self.U_v, self.B_v  # LRKV's value residual, which LRK does without
+
+    @classmethod
+    def legend_label(cls, config, peers):
+        return f"LRK (r={config.lrkv_rank})"
+
+    @classmethod
+    def legend_key(cls, config):
+        return 6, config.lrkv_rank
+
+    def forward(self, x, rope, cache=None):
+        if cache is not None:
+            return self.decode(x, rope, cache)
+        B, T, _ = x.shape
+        q = self.queries(x, rope)
+        r_k = self.U_k(x).view(B, T, self.n_head, self.lrkv_rank)
+        k = self.W_shared_k(x).unsqueeze(2) + self.residual(r_k, self.B_k)  # (B, T, H, d_h): K_h
+        return self.project_out(self.attend(q, apply_rope(norm(k), rope), self.values(self.W_shared_v(x))))
+
+    def value_shapes(self):
+        return {"v_shared": (self.head_dim,)}
+
+    def value_entries(self, x):
+        return {"v_shared": self.W_shared_v(x)}
+
+    def values(self, v_shared):
+        return v_shared.unsqueeze(2).expand(-1, -1, self.n_head, -1)  # (B, S, H, d_h)
+
+    def attend_values(self, a, v_shared):
+        return (a @ v_shared).unsqueeze(1)  # (B, 1, H, d_h)
+
+    def head_kv_weights(self):
+        W_V = self.W_shared_v.weight.expand(self.n_head, -1, -1)  # (H, d_h, d)
+        return self.head_weights(self.W_shared_k, self.U_k, self.B_k), W_V
+
+
+def interleaved_keys_values(attn, x, config):
     H, G, d_h, T = config.n_head, config.n_kv_head, config.head_dim, x.size(1)
     k, v = (test_model.lin(x[0], W).view(T, G, d_h) for W in (attn.W_k, attn.W_v))
     return [k[:, h % G] for h in range(H)], [v[:, h % G] for h in range(H)], d_h
 
 
-def head_keys(layer, x, c):
+def interleaved_head_keys(layer, x, c):
     return layer.W_k(x).view(len(x), c.n_kv_head, c.head_dim)[:, torch.arange(c.n_head) % c.n_kv_head]
 
 
-@pytest.fixture
-def registered(monkeypatch):
-    """The variant in the registry, and its references in test_model.py's tables, for one test."""
-    monkeypatch.setitem(model.ATTENTION, NAME, InterleavedGroupedQueryAttention)
-    monkeypatch.setitem(test_model.NAIVE_KEYS_VALUES, NAME, naive_keys_values)
-    monkeypatch.setitem(test_model.HEAD_KEYS, NAME, head_keys)
+def lrk_keys_values(attn, x, config):
+    """Each head's key projection W_shared^K + B_h U_h built whole, and the one shared value."""
+    H, d_h, r = config.n_head, config.head_dim, config.lrkv_rank
+    U, B = attn.U_k.weight.double().view(H, r, -1), attn.B_k.double().view(H, d_h, r)
+    keys = [x[0] @ (attn.W_shared_k.weight.double() + B[h] @ U[h]).t() for h in range(H)]
+    return keys, [test_model.lin(x[0], attn.W_shared_v)] * H, d_h
 
 
-GENERIC_TESTS = [
-    test_model.test_attention_matches_naive_reference,
-    test_model.test_forward_shapes_and_finite_loss,
-    test_model.test_tiny_model_overfits_one_batch,
-    test_model.test_cached_decoding_equals_full_forward,
-    test_model.test_single_token_steps_match_a_chunk_over_64_positions,
-    test_model.test_greedy_generation_is_the_same_with_and_without_cache,
-    test_model.test_head_qk_weights_match_each_variants_projections,
-]
+# Each variant's class and its entry in every table of test_model.py, where a variant of model.py
+# has its own
+REFERENCES = {
+    "gqa_interleaved": (InterleavedGroupedQueryAttention, dict(
+        NAIVE_KEYS_VALUES=interleaved_keys_values,
+        HEAD_KEYS=interleaved_head_keys,
+        ATTENTION_PARAMS=lambda c: (2 * c.n_kv_head * c.n_embd * c.head_dim, c.head_dim),
+        PAPER_CACHE_MIB=36,  # GQA's: 3 of 6 KV heads
+        DECODER_EXTRA_MIB=0,
+        CACHE_ELEMENTS=lambda c: 2 * c.n_kv_head * c.head_dim,
+        KEY_WEIGHTS=("W_k",),
+        KEY_BUILDERS=test_model.grouped_key_builder,
+    )),
+    "lrk": (LowRankKeyAttention, dict(
+        NAIVE_KEYS_VALUES=lrk_keys_values,
+        HEAD_KEYS=test_model.lrkv_head_keys,
+        # W_shared^K and W_shared^V (d x d_h), and each head's U_h^K (d x r) and B_h^K (d_h x r)
+        ATTENTION_PARAMS=lambda c: (
+            2 * c.n_embd * c.head_dim + c.n_head * c.lrkv_rank * (c.n_embd + c.head_dim), c.head_dim),
+        PAPER_CACHE_MIB=24.9375,  # 12 layers x 2048 tokens x (2 d_h + H r = 2 x 128 + 6 x 46) x 2 bytes
+        DECODER_EXTRA_MIB=test_model.KEY_RMS_MIB,
+        CACHE_ELEMENTS=lambda c: 2 * c.head_dim + c.n_head * c.lrkv_rank + c.n_head,
+        KEY_WEIGHTS=("W_shared_k", "U_k"),
+        KEY_BUILDERS=test_model.KEY_BUILDERS["lrkv"],
+    )),
+}
+
+
+@pytest.fixture(params=REFERENCES)
+def variant(request, monkeypatch):
+    """One of the variants in the registry, and its entries in test_model.py's tables, for one
+    test: its name."""
+    name, (cls, entries) = request.param, REFERENCES[request.param]
+    monkeypatch.setitem(model.ATTENTION, name, cls)
+    for table, entry in entries.items():
+        monkeypatch.setitem(getattr(test_model, table), name, entry)
+    return name
+
+
+def runs_on_every_variant(test):
+    marks = getattr(test, "pytestmark", [])
+    return any(mark.name == "parametrize" and mark.args[1] is model.ATTENTION for mark in marks)
+
+
+# Every test of test_model.py and test_fast_decode.py parametrized over the registry
+GENERIC_TESTS = [test for module in (test_model, test_fast_decode) for name, test in vars(module).items()
+                 if name.startswith("test_") and runs_on_every_variant(test)]
 
 
 @pytest.mark.parametrize("generic_test", GENERIC_TESTS, ids=lambda test: test.__name__)
-def test_generic_model_tests_pass(generic_test, registered):
-    assert 1 < test_model.TINY.n_kv_head < test_model.TINY.n_head  # else interleaved groups are contiguous ones
-    generic_test(NAME)
+def test_generic_model_tests_pass(generic_test, variant, request):
+    assert 1 < test_model.TINY.n_kv_head < test_model.TINY.n_head  # else interleaved groups are contiguous
+    fixtures = list(inspect.signature(generic_test).parameters)[1:]  # what it takes besides attn
+    generic_test(variant, **{name: request.getfixturevalue(name) for name in fixtures})
 
 
-def test_trains_resumes_is_analyzed_and_benched(registered, data_dir, tmp_path):
+@pytest.mark.parametrize("variant", ["gqa_interleaved"], indirect=True)
+def test_trains_resumes_is_analyzed_and_benched(variant, data_dir, tmp_path):
     # 4 heads over 2 KV heads, where interleaving differs from GQA's contiguous groups
-    run = tmp_path / "out" / NAME
-    small = flags(data_dir=data_dir, out_dir=run, attn=NAME, n_head=4, head_dim=8, n_kv_head=2, max_steps=4,
-                  eval_interval=2)
+    run = tmp_path / "out" / variant
+    small = flags(data_dir=data_dir, out_dir=run, attn=variant, n_head=4, head_dim=8, n_kv_head=2,
+                  max_steps=4, eval_interval=2)
     assert train.main(small + ["--stop_after=2"]) == 0
     assert train.main(small + ["--resume"]) == 0
     assert torch.load(run / "ckpt.pt", weights_only=True)["step"] == 4
@@ -103,9 +188,10 @@ def test_trains_resumes_is_analyzed_and_benched(registered, data_dir, tmp_path):
     assert runs[1]["kv_cache_fraction"] == 0.5 and len(runs[1]["effective_rank"]) == 2
 
     # in-process, for a subprocess would not see the registered variant; every variant by default
-    bench.main(["--preset=tiny", "--device=cpu", "--check", "--no-compiled_decode", f"--out={tmp_path / 'bench.json'}"])
+    bench.main(["--preset=tiny", "--device=cpu", "--check", "--no-compiled_decode",
+                f"--out={tmp_path / 'bench.json'}"])
     result = json.loads((tmp_path / "bench.json").read_text())
-    assert list(result["variants"]) == list(model.ATTENTION) and NAME in result["variants"]
-    row = result["variants"][NAME]
+    assert list(result["variants"]) == list(model.ATTENTION) and variant in result["variants"]
+    row = result["variants"][variant]
     assert row["check"]["ok"], row["check"]
     assert [d["cache_pct_mha"] for d in row["decode"]] == [50, 50]  # 2 of 4 KV heads

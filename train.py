@@ -5,7 +5,7 @@ Train one attention variant of model.py's GPT on token shards written by prepare
     python train.py config/demo.py --attn=lrkv --lrkv_rank=4    # a preset file, then flags
     torchrun --standalone --nproc_per_node=8 train.py --attn=lrkv
     python train.py --attn=mqa --resume                         # continue out_dir/ckpt.pt
-    python train.py config/demo.py config/convert.py --init_from=out/demo/mha/ckpt.pt --attn=lrkv --lrkv_rank=4
+    python train.py config/demo.py config/convert.py --init_from=out/demo/mha/ckpt.pt --attn=lrkv
 
 Every field of GPTConfig (model.py) and TrainConfig (below) is a --name=value flag. A positional
 argument is a preset: a Python file assigning field names, applied before the flags.
@@ -48,9 +48,11 @@ class TrainConfig:
     batch_size: int = 16  # sequences per optimizer step, over all devices together
     micro_batch_size: int = 16  # most sequences a device holds at once; gradient accumulation fills the step
     max_steps: int = 3_051_758  # the token budget: the paper's 100B tokens / 32,768 tokens a step
-    stop_after: int = 0  # stop after this step, checkpointed, on max_steps' schedule, for --resume to go on; 0: don't
+    # stop after this step, checkpointed, on max_steps' schedule, for --resume to go on; 0: don't
+    stop_after: int = 0
     # optimisation
-    optimizer: str = "muon"  # muon: Muon for the blocks' matrices, AdamW for wte and lm_head; adamw: AdamW for all
+    # muon: Muon for the blocks' matrices, AdamW for wte and lm_head; adamw: AdamW for all
+    optimizer: str = "muon"
     muon_lr: float = 0.02
     adamw_lr: float = 0.003  # the blocks' matrices under --optimizer=adamw; not tuned
     embedding_lr: float = 0.2  # AdamW, wte
@@ -60,7 +62,8 @@ class TrainConfig:
     warmup_steps: int = 2000
     # evaluation and logging
     eval_interval: int = 5000  # steps between evaluations (and checkpoints); the last step always gets one
-    eval_tokens: int = 2**21  # the fixed validation slice, in whole block_size windows from the start of the val split
+    # the fixed validation slice, in whole block_size windows from the start of the val split
+    eval_tokens: int = 2**21
     log_interval: int = 100
     # system
     seed: int = 0
@@ -72,11 +75,12 @@ class TrainConfig:
         def bad(field, allowed):
             raise ValueError(f"--{field}={getattr(self, field)!r}: must be {allowed}")
 
-        for field in ("batch_size", "micro_batch_size", "max_steps", "eval_interval", "eval_tokens", "log_interval"):
+        for field in ("batch_size", "micro_batch_size", "max_steps", "eval_interval", "eval_tokens",
+                      "log_interval"):
             if getattr(self, field) < 1:
                 bad(field, "a positive integer")
-        for field in ("stop_after", "warmup_steps", "seed", "muon_lr", "adamw_lr", "embedding_lr", "unembedding_lr",
-                      "weight_decay", "grad_clip"):
+        for field in ("stop_after", "warmup_steps", "seed", "muon_lr", "adamw_lr", "embedding_lr",
+                      "unembedding_lr", "weight_decay", "grad_clip"):
             if not getattr(self, field) >= 0:  # `not >=` also refuses nan
                 bad(field, "zero or more")
         for field, allowed in (("optimizer", ("muon", "adamw")), ("device", ("auto", "cuda", "mps", "cpu")),
@@ -104,8 +108,9 @@ def main(argv=None):
             raise ConfigError(f"--batch_size={cfg.batch_size} does not split over {world_size} processes")
         micro_batch = min(cfg.micro_batch_size, cfg.batch_size // world_size)
         if cfg.batch_size // world_size % micro_batch:
-            raise ConfigError(f"--micro_batch_size={micro_batch} does not divide the {cfg.batch_size // world_size} "
-                              f"sequences each of {world_size} processes takes a step")
+            per_process = cfg.batch_size // world_size
+            raise ConfigError(f"--micro_batch_size={micro_batch} does not divide the {per_process} sequences "
+                              f"each of {world_size} processes takes a step")
         data = load_data(cfg, model_config)
         device = pick_device(cfg.device, local_rank)
         resumed = load_resume_checkpoint(cfg, model_config) if cfg.resume else None
@@ -163,7 +168,8 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
     if is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         start_log(out_dir, step if resumed is not None else None)
-        ns = f", Newton-Schulz in {PRECISION_NAMES[optimizers[0].ns_dtype]}" if cfg.optimizer == "muon" else ""
+        muon = cfg.optimizer == "muon"
+        ns = f", Newton-Schulz in {PRECISION_NAMES[optimizers[0].ns_dtype]}" if muon else ""
         print(f"precision: {'bf16 autocast' if dtype == 'bfloat16' else 'fp32'}{ns}: {why}", flush=True)
         n_params = raw_model.get_num_params()
         print(f"{model_config.attn}: {n_params / 1e6:.1f}M parameters, "
@@ -176,7 +182,8 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
                   "config/demo.py is the preset for CPUs", file=sys.stderr)
 
     if initial is not None:  # the converted model's loss is the first point of the run's curve
-        val_loss, val_bpb = evaluate(model, val_tokens, bytes_per_token, T, micro_batch, autocast, rank, world_size)
+        val_loss, val_bpb = evaluate(model, val_tokens, bytes_per_token, T, micro_batch, autocast, rank,
+                                     world_size)
         if is_main:
             log_eval(out_dir, 0, val_loss, val_bpb)
 
@@ -215,10 +222,11 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
             tokens_per_s = tokens_per_step / seconds
             mfu = flops_per_step / seconds / (peak * world_size) if peak else None
             lr = optimizers[0].param_groups[0]["lr"]
-            record = dict(step=step, loss=loss, lr=lr, ms_per_step=1000 * seconds, tokens_per_s=tokens_per_s, mfu=mfu)
+            record = dict(step=step, loss=loss, lr=lr, ms_per_step=1000 * seconds, tokens_per_s=tokens_per_s,
+                          mfu=mfu)
             log(out_dir, record,
-                f"step {step}/{cfg.max_steps} | loss {loss:.4f} | lr {lr:.2e} | {1000 * seconds:.1f} ms/step | "
-                f"{tokens_per_s:,.0f} tok/s" + (f" | MFU {100 * mfu:.1f}%" if mfu is not None else ""))
+                f"step {step}/{cfg.max_steps} | loss {loss:.4f} | lr {lr:.2e} | {1000 * seconds:.1f} "
+                f"ms/step | {tokens_per_s:,.0f} tok/s" + ("" if mfu is None else f" | MFU {100 * mfu:.1f}%"))
             t0, timed_steps = time.perf_counter(), 0
 
         if step % cfg.eval_interval == 0 or step == last_step:
@@ -234,8 +242,8 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
                          best_val_loss=min(val_loss, best[0]), best_val_bpb=min(val_bpb, best[1]))
             if is_main:
                 log_eval(out_dir, step, val_loss, val_bpb)
-                save_checkpoint(ckpt_path, checkpoint_dict(raw_model, model_config, cfg, optimizers, step, evals,
-                                                           meta, device))
+                save_checkpoint(ckpt_path, checkpoint_dict(raw_model, model_config, cfg, optimizers, step,
+                                                           evals, meta, device))
             t0, timed_steps = time.perf_counter(), 0
     return 0
 
@@ -243,7 +251,8 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
 def pick_device(name, local_rank):
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available() or name == "mps" and not torch.backends.mps.is_available():
+    if (name == "cuda" and not torch.cuda.is_available()
+            or name == "mps" and not torch.backends.mps.is_available()):
         raise ConfigError(f"--device={name}: not available on this machine")
     return torch.device("cuda", local_rank) if name == "cuda" else torch.device(name)
 
@@ -301,7 +310,8 @@ def lookup(name, fields):
         return fields[name]
     close = difflib.get_close_matches(name, fields, n=5, cutoff=0.6)
     listed = ", ".join("--" + n for n in (close or fields))
-    raise ConfigError(f"unknown setting {name!r}; " + (f"did you mean {listed}?" if close else f"valid: {listed}"))
+    raise ConfigError(f"unknown setting {name!r}; "
+                      + (f"did you mean {listed}?" if close else f"valid: {listed}"))
 
 
 def parse_flag(name, text, kind):
@@ -406,7 +416,8 @@ def load_data(cfg, model_config):
             f"{cfg.data_dir} holds {meta['tokenizer']} tokens (vocabulary {data_vocab}), "
             f"the model has --vocab_size={model_vocab}: "
             f"pass --vocab_size={padded} for this data, or make data in the model's vocabulary with "
-            f"`python prepare_data.py --tokenizer=...` (one of {', '.join(TOKENIZERS)}) and point --data_dir at it")
+            f"`python prepare_data.py --tokenizer=...` (one of {', '.join(TOKENIZERS)}) and point --data_dir "
+            "at it")
     T = model_config.block_size
     batches = TrainBatches(train, T)
     if not len(train) or batches.ends[-1] == 0:
@@ -419,8 +430,8 @@ def load_data(cfg, model_config):
         parts.append(shard[:needed - have])
         have += len(parts[-1])
     if have < needed:
-        raise ConfigError(f"{cfg.data_dir}: the val split holds {have} tokens, --eval_tokens={cfg.eval_tokens} "
-                          f"needs {needed}: lower --eval_tokens")
+        raise ConfigError(f"{cfg.data_dir}: the val split holds {have} tokens, "
+                          f"--eval_tokens={cfg.eval_tokens} needs {needed}: lower --eval_tokens")
     val_tokens = torch.from_numpy(np.concatenate(parts).astype(np.int64))
     return meta, batches, val_tokens, bytes_per_token
 
@@ -457,7 +468,8 @@ class Muon(torch.optim.Optimizer):
         if any(p.ndim != 2 for p in params):
             raise ValueError("Muon: every parameter must be a matrix")
         self.ns_dtype = ns_dtype or native_dtype(params[0].device)[0]
-        self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        distributed = dist.is_initialized()
+        self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
         # eager on a CPU, where compiling (a C++ compiler, tens of seconds) costs more than it saves
         self.update = torch.compile(muon_update) if params[0].is_cuda else muon_update
 
@@ -475,7 +487,8 @@ class Muon(torch.optim.Optimizer):
                         self.state[p]["momentum_buffer"] = torch.zeros_like(p)
                 bufs = [self.state[p]["momentum_buffer"] for p in params]
                 torch._foreach_lerp_(bufs, grads, 1 - group["momentum"])
-                n = -(-len(params) // self.world_size)  # matrices a rank orthogonalises; the last may have fewer
+                # matrices a rank orthogonalises; the last may have fewer
+                n = -(-len(params) // self.world_size)
                 mine = slice(self.rank * n, (self.rank + 1) * n)
                 # lr as a 0-d tensor: a float that the schedule moves every step would recompile the graph
                 lr = torch.tensor(group["lr"], dtype=torch.float64)
@@ -516,7 +529,8 @@ def configure_optimizers(model, cfg):
     Each param group's initial_lr is the peak that the schedule scales."""
     matrices = list(model.blocks.parameters())
     if len(matrices) + 2 != len(list(model.parameters())):
-        raise ValueError("GPT has parameters outside wte, lm_head and the blocks: configure_optimizers misses them")
+        raise ValueError("GPT has parameters outside wte, lm_head and the blocks: configure_optimizers "
+                         "misses them")
     adamw_groups = [dict(params=[model.wte.weight], lr=cfg.embedding_lr),
                     dict(params=[model.lm_head.weight], lr=cfg.unembedding_lr)]
     adamw = dict(betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=model.wte.weight.is_cuda)
@@ -610,7 +624,8 @@ def checkpoint_dict(model, model_config, cfg, optimizers, step, evals, meta, dev
         **evals,
         config=dataclasses.asdict(cfg),
         tokenizer=meta,
-        rng=dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None),
+        rng=dict(torch=torch.get_rng_state(),
+                 cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None),
     )
 
 
@@ -636,7 +651,8 @@ def load_checkpoint(path, device="meta"):
     except OSError as e:
         raise bad(e.strerror) from None
     except pickle.UnpicklingError:
-        raise bad("refused: it holds Python objects that loading with weights_only=True does not allow") from None
+        raise bad("refused: it holds Python objects that loading with weights_only=True does not "
+                  "allow") from None
     except Exception:  # what else torch.load raises (mostly RuntimeError) says the file is no checkpoint
         raise bad("not a PyTorch checkpoint") from None
     if not isinstance(ckpt, dict):
@@ -685,9 +701,11 @@ def load_resume_checkpoint(cfg, model_config):
     saved = {**ckpt["model_args"], **{k: ckpt["config"].get(k, TrainConfig.__dataclass_fields__[k].default)
                                       for k in RESUME_FLAGS}}
     wanted = {**dataclasses.asdict(model_config), **{k: getattr(cfg, k) for k in RESUME_FLAGS}}
-    changed = ", ".join(f"{k}={saved[k]!r} (flags: {wanted.get(k)!r})" for k in saved if saved[k] != wanted.get(k))
+    changed = ", ".join(f"{k}={saved[k]!r} (flags: {wanted.get(k)!r})" for k in saved
+                        if saved[k] != wanted.get(k))
     if changed:
-        raise ConfigError(f"--resume: {path} was trained with {changed}; give the flags of the run it continues")
+        raise ConfigError(f"--resume: {path} was trained with {changed}; give the flags of the run it "
+                          "continues")
     return ckpt, model
 
 
