@@ -179,7 +179,7 @@ def bench_train(config, preset, device, dtype, compile, profile):
     torch.manual_seed(0)
     cfg = TrainConfig()
     model = GPT(config).to(device)
-    optimizers = configure_optimizers(model, cfg)
+    optimizers = configure_optimizers(model, cfg, ns_dtype=dtype)
     forward = torch.compile(model) if compile else model
     autocast = torch.autocast(device.type, torch.bfloat16) if dtype == torch.bfloat16 else nullcontext()
     B, T = preset["batch_size"], preset["seq_len"]
@@ -396,11 +396,13 @@ def main(argv=None):
     parser.add_argument("--attn", type=variants, default=list(ATTENTION),
                         help="comma-separated variants, measured in this order after MHA, which every row is "
                              "relative to (default: all)")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="training autocast, Newton-Schulz and decoding; auto: train.native_dtype's choice")
     parser.add_argument("--out", default="out/bench.json")
     args = parser.parse_args(argv)
     preset, device = PRESETS[args.preset], torch.device(args.device)
     compile = device.type == "cuda" if args.compile is None else args.compile
-    dtype, why = native_dtype(device)
+    dtype, why = native_dtype(device) if args.dtype == "auto" else (getattr(torch, args.dtype), "--dtype")
     precision = PRECISION_NAMES[dtype]
     log(f"precision: {precision} (training autocast, Newton-Schulz, decoding): {why}")
     if device.type == "cuda":

@@ -267,7 +267,8 @@ def native_dtype(device):
     """(dtype, why): bfloat16 where the device multiplies bf16 in hardware, float32 elsewhere.
     The dtype that training autocasts to, Muon's Newton-Schulz runs in and decoding holds its
     weights and KV cache in, unless a flag says otherwise. Where bf16 is emulated it is no saving:
-    on an AVX2 CPU a bf16 matmul runs 10-20x slower than fp32 (docs/benchmarks.md)."""
+    on an AVX2 CPU one 128M layer's training step takes 53x as long in bf16 as in fp32
+    (docs/benchmarks.md#precision)."""
     torch_device = torch.device(device)
     if torch_device.type == "cuda":
         if torch.cuda.is_bf16_supported(including_emulation=False):
@@ -460,7 +461,7 @@ class Muon(torch.optim.Optimizer):
     ns_dtype: what Newton-Schulz runs in; None: native_dtype's choice for the parameters' device.
     torch.optim.Muon runs it in bf16 everywhere; the iteration only needs the update's direction
     to a few bits, so fp32 changes no result that matters and spares a CPU without bf16
-    instructions its 10-20x slower emulated bf16 matmuls."""
+    instructions its emulated bf16 matmuls, tens of times slower than fp32 ones."""
 
     def __init__(self, params, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_dtype=None):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov))
@@ -521,12 +522,12 @@ def muon_update(params, grads, bufs, lr, weight_decay, momentum, nesterov, ns_dt
     return W.mul_(1 - lr * weight_decay).sub_(X.to(W.dtype) * (lr * max(1, rows / cols) ** 0.5))
 
 
-def configure_optimizers(model, cfg):
+def configure_optimizers(model, cfg, ns_dtype=None):
     """The paper's optimisers: Muon for every matrix inside the blocks, AdamW with their own lrs for
     the token embedding and the unembedding; --optimizer=adamw moves the blocks' matrices to AdamW at
     adamw_lr. The paper's AdamW lrs are kept as they are: nanochat's (n_embd / 768) ** -0.5 scaling
     of them is 1 at the 128M width, and the paper does not say it applies it elsewhere.
-    Each param group's initial_lr is the peak that the schedule scales."""
+    Each param group's initial_lr is the peak that the schedule scales; ns_dtype goes to Muon."""
     matrices = list(model.blocks.parameters())
     if len(matrices) + 2 != len(list(model.parameters())):
         raise ValueError("GPT has parameters outside wte, lm_head and the blocks: configure_optimizers "
@@ -542,7 +543,7 @@ def configure_optimizers(model, cfg):
         # by 0.02 times an orthogonal matrix, the convention of modded-nanogpt and nanochat that
         # the paper's 0.02 comes from. Weight decay multiplies each matrix by 1 - lr * weight_decay
         # a step, with the unadjusted lr.
-        muon = Muon(matrices, lr=cfg.muon_lr, weight_decay=cfg.weight_decay)
+        muon = Muon(matrices, lr=cfg.muon_lr, weight_decay=cfg.weight_decay, ns_dtype=ns_dtype)
         optimizers = [muon, torch.optim.AdamW(adamw_groups, **adamw)]
     for opt in optimizers:
         for group in opt.param_groups:
