@@ -407,6 +407,39 @@ def test_calibration_changes_a_low_rank_conversion_and_zero_tokens_is_the_weight
     assert not torch.equal(state["blocks.0.attn.U_k.weight"], plain["blocks.0.attn.U_k.weight"])
 
 
+def test_distill_loss_mixes_cross_entropy_with_the_kl_to_the_teachers_distribution():
+    torch.manual_seed(0)
+    config = GPTConfig(**{k: v for k, v in TINY.items() if k in GPTConfig.__dataclass_fields__})
+    teacher, student = GPT(config), GPT(config)
+    with torch.no_grad():
+        for p in [*teacher.parameters(), *student.parameters()]:  # the init's zero W_o and lm_head say too little
+            p.normal_(0, 0.3)
+    idx, targets = torch.randint(0, 256, (2, 2, 32))
+    logits, cross_entropy = student(idx, targets)
+    loss = train.distill_loss(cross_entropy, logits, teacher, idx, 0.25)
+    with torch.no_grad():
+        p_teacher = torch.softmax(teacher(idx)[0].double(), dim=-1)
+    kl = (p_teacher * (p_teacher.log() - torch.log_softmax(logits.double(), dim=-1))).sum(-1).mean()
+    assert loss.item() == pytest.approx((0.75 * cross_entropy.double() + 0.25 * kl).item(), rel=1e-6)
+    assert kl > 0.1  # the check above is not CE alone
+
+
+def test_distilling_a_copy_of_the_teacher_costs_nothing_at_first(data_dir, tmp_path, capsys):
+    """--distill=1 from an identical copy: the first step's loss, KL(p || p), is 0; a resumed job
+    must keep --distill, and no --init_from means nothing to distil."""
+    source = tmp_path / "mha"
+    assert train.main(flags(data_dir=data_dir, out_dir=source, attn="mha", max_steps=4, eval_interval=4)) == 0
+    distilled = flags(data_dir=data_dir, out_dir=tmp_path / "copy", attn="mha", max_steps=3, eval_interval=3,
+                      init_from=source / "ckpt.pt", distill=1.0)
+    assert train.main(distilled + ["--stop_after=2"]) == 0
+    loss = records(tmp_path / "copy", "loss")
+    assert loss[1] == pytest.approx(0, abs=1e-6) and loss[2] > 0  # a teacher of its own, which stays put
+    assert train.main(distilled + ["--resume", "--distill=0.5"]) == 2
+    assert train.main(distilled + ["--resume"]) == 0
+    assert train.main(flags(data_dir=data_dir, out_dir=tmp_path / "none", distill=0.5)) == 2
+    assert "--distill=0.5: must be 0 without --init_from" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("problem, message", [
     ("missing", "No such file or directory"),
     ("junk", "not a PyTorch checkpoint"),

@@ -50,6 +50,11 @@ class TrainConfig:
     # a dimension of the 128M model's 768-wide input (SVD-LLM calibrates Llama-7B's 4096 on
     # 256 x 2048, ~128), for one forward pass over two of its training steps' tokens.
     calibration_tokens: int = 65_536
+    # --init_from: the loss is (1 - distill) CE + distill KL(p_source || p_model) per token, p_source
+    # the next-token distribution of the checkpoint's model, frozen; 0: CE alone. Each step costs a
+    # forward pass more (1.3x on the demo's CPU): at equal time 0.5 with 46 steps beat CE with 60
+    # in docs/convert.md.
+    distill: float = 0.0
     # batch and budget: the paper's 16 sequences of 2048 tokens, 32,768 tokens a step
     batch_size: int = 16  # sequences per optimizer step, over all devices together
     micro_batch_size: int = 16  # most sequences a device holds at once; gradient accumulation fills the step
@@ -89,6 +94,10 @@ class TrainConfig:
                                ("dtype", ("auto", "bfloat16", "float32"))):
             if getattr(self, field) not in allowed:
                 bad(field, "one of " + ", ".join(allowed))
+        if not 0 <= self.distill <= 1:
+            bad("distill", "between 0 and 1")
+        if self.distill and not self.init_from:
+            bad("distill", "0 without --init_from, whose model it distils")
 
 
 class ConfigError(Exception):
@@ -117,6 +126,8 @@ def main(argv=None):
         resumed = load_resume_checkpoint(cfg, model_config) if cfg.resume else None
         # --init_from seeds a run's first job; its --resume jobs go on from their own checkpoint
         initial = load_init_checkpoint(cfg, model_config, data[1], device) if cfg.init_from and not cfg.resume else None
+        # the model that --distill distils, in every job of the run
+        teacher = load_checkpoint(cfg.init_from, device)[1].eval() if cfg.distill else None
     except ConfigError as e:
         if rank == 0:
             print(f"train.py: {e}", file=sys.stderr)
@@ -125,10 +136,10 @@ def main(argv=None):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world_size == 1:
-        return train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, world_size)
+        return train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, world_size, teacher)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
-        return train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, world_size)
+        return train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, world_size, teacher)
     finally:
         # DDP sits in reference cycles, which only the garbage collector frees: free it now, while
         # the process group and the interpreter are whole (at exit, gloo's threads can abort the process)
@@ -136,9 +147,10 @@ def main(argv=None):
         dist.destroy_process_group()
 
 
-def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, world_size):
+def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, world_size, teacher=None):
     """Train up to step min(max_steps, stop_after) from load_checkpoint's (ckpt, model) to resume,
-    or from the weights of load_init_checkpoint, or (both None) from the start; the exit code."""
+    or from the weights of load_init_checkpoint, or (both None) from the start, distilling teacher
+    (--distill) if given; the exit code."""
     meta, batches, val_tokens, bytes_per_token = data
     is_main, ddp = rank == 0, world_size > 1
     native, why = native_dtype(device)
@@ -200,7 +212,9 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
             # DDP averages the gradients over processes in the backward of the last micro step only
             with train_model.no_sync() if ddp and i < accum_steps - 1 else nullcontext():
                 with autocast:
-                    _, micro_loss = train_model(x[micro].to(device), y[micro].to(device))
+                    logits, micro_loss = train_model(x[micro].to(device), y[micro].to(device))
+                    if teacher is not None:
+                        micro_loss = distill_loss(micro_loss, logits, teacher, x[micro].to(device), cfg.distill)
                 (micro_loss / accum_steps).backward()
             loss += micro_loss.detach() / accum_steps
         if ddp:
@@ -244,6 +258,16 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
                                                            meta, device))
             t0, timed_steps = time.perf_counter(), 0
     return 0
+
+
+def distill_loss(cross_entropy, logits, teacher, idx, weight):
+    """(1 - weight) CE + weight KL(p_teacher || p_model), the KL a mean over the tokens, at
+    temperature 1: besides the next token, the teacher's whole distribution over it as a target.
+    The logged training loss is this."""
+    with torch.no_grad():
+        target = F.log_softmax(teacher(idx)[0], dim=-1).flatten(0, 1)
+    kl = F.kl_div(F.log_softmax(logits, dim=-1).flatten(0, 1), target, log_target=True, reduction="batchmean")
+    return (1 - weight) * cross_entropy + weight * kl
 
 
 def pick_device(name, local_rank):
@@ -677,7 +701,7 @@ def restore(checkpoint, model, optimizers, device):
 # checkpoints it writes would describe that one). Data, device, dtype, compilation, micro-batching,
 # the evaluation and log cadence and stop_after may change from one job of a run to the next.
 RESUME_FLAGS = ("batch_size", "max_steps", "warmup_steps", "optimizer", "muon_lr", "adamw_lr", "embedding_lr",
-                "unembedding_lr", "weight_decay", "grad_clip", "eval_tokens", "seed", "init_from")
+                "unembedding_lr", "weight_decay", "grad_clip", "eval_tokens", "seed", "init_from", "distill")
 
 
 def load_resume_checkpoint(cfg, model_config):
