@@ -15,7 +15,8 @@ run's log.jsonl beside its checkpoint), rank_energy.png (for an MHA checkpoint: 
 its heads' keys and values need, from the weights alone and, where its training data is there,
 as the inputs of its attention see them) and analysis.json, and prints a table. Runs started
 from another checkpoint (train.py --init_from) are told apart and show where they started, and
-a conversion calibrated on the inputs (--calibration_tokens) is labelled "whitened".
+a conversion calibrated on the inputs (--calibration_tokens) is labelled "whitened", an
+uptraining with a KL term to the source (--distill) "distilled".
 Everything runs on the CPU in float64, but for the MHA model's forward pass over its training
 data (fp32), which gives rank_energy.png's inputs.
 """
@@ -163,9 +164,10 @@ def analyze(path):
         "curves": loss_curves(records, ckpt),
         "init_from": init_from,
         "init_from_args": init_from_args,
-        # converted by the whitened SVD (a checkpoint from before --calibration_tokens was not):
-        # drawn dashed, or square where converted runs are diamonds
+        # converted by the whitened SVD (a checkpoint from before --calibration_tokens was not),
+        # uptrained with --distill: each drawn apart (line_style, plot_kv_tradeoff)
         "whitened": converted and ckpt["config"].get("calibration_tokens", 0) > 0,
+        "distilled": ckpt.get("config", {}).get("distill", 0) > 0,
         # a run from --init_from evaluates the converted model at step 0, before any update
         "start": next(({k: r[k] for k in ("val_loss", "val_bpb")} for r in records if r["step"] == 0 and "val_loss" in r), None),
         "rank_energy": rank_energy(model),
@@ -200,20 +202,27 @@ def legend_labels(configs, runs):
     """The paper's legend labels, each variant's own (Attention.legend_label), and for a run
     started from another checkpoint "uptrained" (the same model) or "converted" (another, and
     "whitened" when the conversion was calibrated on the inputs), or "from a checkpoint" where
-    that one is gone; a label that would still name two checkpoints (two seeds, say) gets each
-    one's folder appended."""
+    that one is gone, each "distilled" when uptrained with --distill; a label that would still
+    name two checkpoints (two seeds, say) gets each one's folder appended."""
     def started(config, run):
         if not run["init_from"]:
             return ""
         if run["init_from_args"] is None:
-            return ", from a checkpoint"
-        if run["init_from_args"] == dataclasses.asdict(config):
-            return ", uptrained"
-        return ", converted, whitened" if run["whitened"] else ", converted"
+            how = ", from a checkpoint"
+        elif run["init_from_args"] == dataclasses.asdict(config):
+            how = ", uptrained"
+        else:
+            how = ", converted, whitened" if run["whitened"] else ", converted"
+        return how + (", distilled" if run["distilled"] else "")
     names = [ATTENTION[c.attn].legend_label(c, [peer for peer in configs if peer.attn == c.attn]) + started(c, run)
              for c, run in zip(configs, runs)]
     ckpts = [run["ckpt"] for run in runs]
     return [f"{name} ({Path(ckpt).parent})" if names.count(name) > 1 else name for name, ckpt in zip(names, ckpts)]
+
+
+def line_style(run):
+    """Runs converted alike share a colour: whitened ones are drawn dashed, distilled ones dotted."""
+    return ":" if run["distilled"] else "--" if run["whitened"] else "-"
 
 
 def model_size(n_params):
@@ -236,7 +245,7 @@ def plot_effective_rank(runs, centered):
     fig = Figure(figsize=(7.5, 4), layout="constrained")
     ax = fig.subplots()
     for run in runs:
-        ax.plot(run[key], marker="o", markersize=4, color=run["color"], linestyle="--" if run["whitened"] else "-",
+        ax.plot(run[key], marker="o", markersize=4, color=run["color"], linestyle=line_style(run),
                 label=run["label"])
     ax.axhline(redundant, color="gray", linestyle="--", label="Fully redundant")
     ax.set_ylim(redundant - 0.2, top + 0.2)
@@ -293,8 +302,8 @@ def pareto_front(points):
 
 def plot_kv_tradeoff(runs):
     """Validation loss and BPB against KV cache per token as % of MHA, one point per checkpoint
-    with validation numbers, and their Pareto front; a converted run (diamond) also where it
-    started (hollow), before uptraining.
+    with validation numbers, and their Pareto front; a converted run (diamond; whitened a square,
+    distilled a triangle) also where it started (hollow), before uptraining.
     None if no checkpoint carries validation numbers."""
     metrics = [("val_loss", "Validation loss (nats/token)"), ("val_bpb", "Validation bits per byte")]
     metrics = [(key, name) for key, name in metrics if any(run[key] is not None for run in runs)]
@@ -305,12 +314,12 @@ def plot_kv_tradeoff(runs):
     for ax, (key, name) in zip(axes, metrics):
         points = [(100 * run["kv_cache_fraction"], run[key], i) for i, run in enumerate(runs) if run[key] is not None]
         for x, y, i in points:
-            start = runs[i]["start"]
-            marker = "s" if runs[i]["whitened"] else "D" if runs[i]["init_from"] else "o"
-            ax.scatter(x, y, color=runs[i]["color"], marker=marker, label=runs[i]["label"], zorder=3)
-            if start is not None:  # where a converted run began, before uptraining
-                ax.scatter(x, start[key], facecolors="none", edgecolors=runs[i]["color"], marker=marker, zorder=3)
-                ax.plot([x, x], [start[key], y], color=runs[i]["color"], linestyle=":", zorder=2)
+            run = runs[i]
+            marker = "^" if run["distilled"] else "s" if run["whitened"] else "D" if run["init_from"] else "o"
+            ax.scatter(x, y, color=run["color"], marker=marker, label=run["label"], zorder=3)
+            if run["start"] is not None:  # where a converted run began, before uptraining
+                ax.scatter(x, run["start"][key], facecolors="none", edgecolors=run["color"], marker=marker, zorder=3)
+                ax.plot([x, x], [run["start"][key], y], color=run["color"], linestyle=":", zorder=2)
         front = pareto_front([(x, y) for x, y, _ in points])
         ax.plot(*zip(*front), color="gray", linestyle="--", zorder=2, label="Pareto front")
         ax.grid(alpha=0.3)
@@ -334,7 +343,7 @@ def plot_loss_curves(runs):
             if run["curves"] and run["curves"][kind]:
                 tokens, loss = zip(*run["curves"][kind])
                 ax.plot(np.array(tokens) / 1e6, loss, color=run["color"], label=run["label"],
-                        linestyle="--" if run["whitened"] else "-", marker="o" if kind == "val" else None, markersize=3)
+                        linestyle=line_style(run), marker="o" if kind == "val" else None, markersize=3)
         ax.grid(alpha=0.3)
         ax.set_xlabel("Tokens (millions)")
         ax.set_ylabel(f"{name} (nats/token)")

@@ -299,7 +299,8 @@ def test_a_converted_run_shows_where_it_started(tmp_path, capsys):
     save_checkpoint(source, attn="mha", val_loss=3.0, val_bpb=0.9)
     # lrkv was converted before --calibration_tokens existed, white with it, again's copy needs none
     for name, attn, init_from, tokens in (("lrkv", "lrkv", source, None), ("white", "lrkv", source, 256),
-                                          ("again", "mha", source, 256), ("gone", "gqa", tmp_path / "gone.pt", 256)):
+                                          ("taught", "lrkv", source, 256), ("again", "mha", source, 256),
+                                          ("gone", "gqa", tmp_path / "gone.pt", 256)):
         path = tmp_path / "converted" / name / "ckpt.pt"
         save_checkpoint(path, val_loss=2.9, val_bpb=0.88, attn=attn,
                         log=[dict(step=0, val_loss=3.5, val_bpb=1.1), dict(step=5, loss=3.0, lr=0.01)])
@@ -307,17 +308,23 @@ def test_a_converted_run_shows_where_it_started(tmp_path, capsys):
         ckpt["config"]["init_from"] = str(init_from)
         if tokens is not None:
             ckpt["config"]["calibration_tokens"] = tokens
+        if name == "taught":
+            ckpt["config"]["distill"] = 0.5
         torch.save(ckpt, path)
     analyze.main([str(tmp_path / "converted"), str(source)])
     runs = json.loads((tmp_path / "converted" / "analysis.json").read_text())["runs"]
     assert [run["label"] for run in runs] == ["Standard MHA", "Standard MHA, uptrained", "LRKV (r=2), converted",
-                                              "LRKV (r=2), converted, whitened", "GQA (2 KV heads), from a checkpoint"]
-    assert [run["whitened"] for run in runs] == [False, False, False, True, False]
-    assert [run["start"] for run in runs] == [None] + [dict(val_loss=3.5, val_bpb=1.1)] * 4
+                                              "LRKV (r=2), converted, whitened, distilled",
+                                              "LRKV (r=2), converted, whitened",
+                                              "GQA (2 KV heads), from a checkpoint"]
+    assert [run["whitened"] for run in runs] == [False, False, False, True, True, False]
+    assert [run["start"] for run in runs] == [None] + [dict(val_loss=3.5, val_bpb=1.1)] * 5
     table = capsys.readouterr().out.splitlines()
     assert "val loss at step 0" in table[0] and table[3].split()[-7:-5] == ["3.500", "2.900"]
-    # the whitened run's marker (a square) tells it from the other converted runs' (diamonds)
+    # markers tell the whitened run (a square) and the distilled one (a triangle) from the other
+    # converted runs (diamonds)
     loss, _ = analyze.plot_kv_tradeoff(runs).axes
     marker = {points.get_label(): points.get_paths()[0].vertices.tolist() for points in loss.collections}
     assert marker["LRKV (r=2), converted"] == marker["Standard MHA, uptrained"]
-    assert marker["LRKV (r=2), converted, whitened"] != marker["LRKV (r=2), converted"]
+    shapes = [marker[f"LRKV (r=2), converted{how}"] for how in ("", ", whitened", ", whitened, distilled")]
+    assert all(a != b for i, a in enumerate(shapes) for b in shapes[i + 1:])
