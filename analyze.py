@@ -35,7 +35,8 @@ from matplotlib.ticker import MaxNLocator
 
 from model import ATTENTION, shared_plus_low_rank
 from prepare_data import read_shard, shard_paths
-from train import ConfigError, TrainBatches, TrainConfig, attention_input_covariances, load_checkpoint, read_log
+from train import (ConfigError, TrainBatches, TrainConfig, attention_input_covariances, load_checkpoint,
+                   read_log)
 
 
 def fail(path, problem):
@@ -93,7 +94,7 @@ def rank_energy(model, covariances=None):
     energy = {"keys": [], "values": []}
     for (W_K, W_V), C in zip(per_layer, covariances or [None] * len(per_layer)):
         for name, W in (("keys", W_K), ("values", W_V)):
-            S = shared_plus_low_rank(W, 0, C)[3]  # (H, d_h) singular values of each (W_h - W_shared) [C^(1/2)]
+            S = shared_plus_low_rank(W, 0, C)[3]  # (H, d_h): of each W_h - W_shared [times C^(1/2)]
             by_rank = S.pow(2).sum(0)  # (d_h,): what the heads' i-th singular directions hold together
             if by_rank.sum() == 0:
                 return None
@@ -116,8 +117,8 @@ def seen_rank_energy(path):
         return None, str(e)
     batches = TrainBatches(shards, model.config.block_size)
     # 8 windows at a time: the 128M model's activations for 8 x 2048 tokens fit a CPU's memory
-    covariances = attention_input_covariances(model, batches, TrainConfig.calibration_tokens, config.get("seed", 0), 8,
-                                              "cpu")
+    covariances = attention_input_covariances(model, batches, TrainConfig.calibration_tokens,
+                                              config.get("seed", 0), 8, "cpu")
     return rank_energy(model.double(), covariances), None
 
 
@@ -318,7 +319,8 @@ def plot_kv_tradeoff(runs):
             marker = "^" if run["distilled"] else "s" if run["whitened"] else "D" if run["init_from"] else "o"
             ax.scatter(x, y, color=run["color"], marker=marker, label=run["label"], zorder=3)
             if run["start"] is not None:  # where a converted run began, before uptraining
-                ax.scatter(x, run["start"][key], facecolors="none", edgecolors=run["color"], marker=marker, zorder=3)
+                ax.scatter(x, run["start"][key], facecolors="none", edgecolors=run["color"], marker=marker,
+                           zorder=3)
                 ax.plot([x, x], [run["start"][key], y], color=run["color"], linestyle=":", zorder=2)
         front = pareto_front([(x, y) for x, y, _ in points])
         ax.plot(*zip(*front), color="gray", linestyle="--", zorder=2, label="Pareto front")
@@ -367,7 +369,8 @@ def plot_rank_energy(run, head_dim):
         for ax, name in zip(row, ("keys", "values")):
             layers = run[key][name]
             for layer, kept in enumerate(layers):
-                shade = colormaps["viridis"](0.9 * layer / max(1, len(layers) - 1))  # first layer dark, last light
+                # the first layer dark, the last light
+                shade = colormaps["viridis"](0.9 * layer / max(1, len(layers) - 1))
                 ax.plot(ranks, kept, marker="o", markersize=3, color=shade, label=f"layer {layer}")
             for paper_r, style in ((16, ":"), (46, "--"), (64, "-.")):
                 ax.axvline(paper_r * head_dim / 128, color="gray", linestyle=style,

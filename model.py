@@ -206,7 +206,8 @@ class Attention(nn.Module):
         the QK norm and RoPE, its value x @ W_V[h].T. The source of a conversion."""
         raise ValueError(f"--attn={self.attn_name()} gives no per-head key and value projections to convert from")
 
-    def load_head_kv_weights(self, W_K: torch.Tensor, W_V: torch.Tensor, C: torch.Tensor | None = None) -> None:
+    def load_head_kv_weights(self, W_K: torch.Tensor, W_V: torch.Tensor,
+                             C: torch.Tensor | None = None) -> None:
         """Set this layer's key and value parameters from H per-head projections (head_kv_weights'
         layout), as close to them as the variant can be. The target of a conversion. C: None, or
         the (d, d) covariance E[x x^T] of the inputs x this layer's attention sees (uncentred: the
@@ -498,7 +499,8 @@ def shared_plus_low_rank(W, r, C=None):
         seen = D @ (V * eigenvalues.clamp(min=0).sqrt() @ V.mT)  # (H, d_h, d): D_h C^(1/2)
     P, S, _ = torch.linalg.svd(D if C is None else seen, full_matrices=False)  # (H, d_h, d_h), (H, d_h)
     P_r = P[..., :r]
-    Y, sigma, Zt = torch.linalg.svd(P_r.mT @ D, full_matrices=False)  # P_r^T D_h: (H, r, r), (H, r), (H, r, d)
+    # P_r^T D_h = Y sigma Z^T: (H, r, r), (H, r), (H, r, d)
+    Y, sigma, Zt = torch.linalg.svd(P_r.mT @ D, full_matrices=False)
     root = sigma.sqrt()
     return mean, P_r @ Y * root[:, None, :], root[..., None] * Zt, S
 
@@ -738,7 +740,8 @@ class GPT(nn.Module):
         if self.config.attn == source.config.attn and all(ours[k].shape == theirs[k].shape for k in ours):
             self.load_state_dict(theirs)
             return
-        for block, source_block, C in zip(self.blocks, source.blocks, covariances or [None] * len(self.blocks)):
+        covariances = covariances or [None] * len(self.blocks)
+        for block, source_block, C in zip(self.blocks, source.blocks, covariances):
             block.attn.load_head_kv_weights(*source_block.attn.head_kv_weights(), C)
         kept = ("wte.", "lm_head.", ".mlp.", ".attn.W_q.", ".attn.W_o.")
         self.load_state_dict({k: v for k, v in theirs.items() if any(part in f".{k}" for part in kept)}, strict=False)

@@ -262,7 +262,8 @@ def data_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("data")
     for i, key in enumerate(sorted(topics)[:20]):
         (root / f"{i:02d}.txt").write_text(topics[key])
-    prepare_data.main(["--dataset=text", "--tokenizer=byte", "--input", str(root), f"--out_dir={root / 'bytes'}"])
+    prepare_data.main(["--dataset=text", "--tokenizer=byte", "--input", str(root),
+                       f"--out_dir={root / 'bytes'}"])
     return root / "bytes"
 
 
@@ -279,16 +280,18 @@ def test_rank_energy_png_sees_the_heads_through_the_checkpoints_training_data(tm
     analyze.main([str(found)])
     run = json.loads((found.parent / "analysis.json").read_text())["runs"][0]
     model = train.load_checkpoint(found, "cpu")[1]
-    batches = train.TrainBatches([prepare_data.read_shard(p) for p in prepare_data.shard_paths(data_dir, "train")],
-                                 TINY.block_size)
-    covariances = train.attention_input_covariances(model, batches, train.TrainConfig.calibration_tokens, 2, 8, "cpu")
+    shards = [prepare_data.read_shard(p) for p in prepare_data.shard_paths(data_dir, "train")]
+    batches = train.TrainBatches(shards, TINY.block_size)
+    tokens = train.TrainConfig.calibration_tokens
+    covariances = train.attention_input_covariances(model, batches, tokens, 2, 8, "cpu")
     assert run["rank_energy_seen"] == analyze.rank_energy(model.double(), covariances)
     assert [ax.get_title() for ax in analyze.plot_rank_energy(run, TINY.head_dim).axes] == [
         "Keys, the weights alone", "Values, the weights alone",
         "Keys, as the attention's inputs see them", "Values, as the attention's inputs see them"]
     capsys.readouterr()
     analyze.main([str(gone)])
-    assert "rank_energy.png from the weights alone, with no inputs to see them through: " in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "rank_energy.png from the weights alone, with no inputs to see them through: " in out
     run = json.loads((gone.parent / "analysis.json").read_text())["runs"][0]
     assert run["rank_energy_seen"] is None and len(analyze.plot_rank_energy(run, TINY.head_dim).axes) == 2
 

@@ -521,7 +521,8 @@ def calibration_inputs(seed, dead_scale=1.0, n=400):
     generator = torch.Generator().manual_seed(seed)
     d = TINY.n_embd
     basis = torch.linalg.qr(torch.randn(d, d, generator=generator, dtype=torch.float64))[0]
-    X = torch.randn(n, d, generator=generator, dtype=torch.float64) * torch.logspace(0, -2, d, dtype=torch.float64) @ basis
+    scales = torch.logspace(0, -2, d, dtype=torch.float64)
+    X = torch.randn(n, d, generator=generator, dtype=torch.float64) * scales @ basis
     X[:, 0] *= dead_scale
     return X
 
@@ -569,11 +570,12 @@ def test_a_dead_input_direction_keeps_the_deviation_in_the_kept_output_direction
     directions its residual spans, the choice closest to D_h, which is the limit of inputs that
     take it less and less, with nothing blowing up on the way."""
     mha, r = tiny_model("mha").double(), 3
-    dead = lrkv_deviations(converted64(mha, "lrkv", [calibration_inputs(seed, 0.0) for seed in range(TINY.n_layer)],
-                                       lrkv_rank=r), mha)
-    faint = lrkv_deviations(converted64(mha, "lrkv", [calibration_inputs(seed, 1e-9) for seed in range(TINY.n_layer)],
-                                        lrkv_rank=r), mha)
-    for (D, M), (_, M_faint) in zip(dead, faint):
+
+    def residuals(scale):
+        inputs = [calibration_inputs(seed, scale) for seed in range(TINY.n_layer)]
+        return lrkv_deviations(converted64(mha, "lrkv", inputs, lrkv_rank=r), mha)
+
+    for (D, M), (_, M_faint) in zip(residuals(0.0), residuals(1e-9)):
         for h in range(TINY.n_head):
             outputs = torch.linalg.svd(M[h])[0][:, :r]  # (d_h, r): the output directions M_h spans
             torch.testing.assert_close(M[h][:, 0], outputs @ outputs.T @ D[h][:, 0], atol=1e-12, rtol=0)
@@ -584,7 +586,8 @@ def test_a_dead_input_direction_keeps_the_deviation_in_the_kept_output_direction
 def test_lrkv_of_full_rank_converted_with_calibration_gives_mhas_logits(dead_scale):
     mha = tiny_model("mha")
     lrkv = GPT(replace(TINY, attn="lrkv", lrkv_rank=TINY.head_dim)).eval()
-    covariances = [X.T @ X / len(X) for X in (calibration_inputs(seed, dead_scale) for seed in range(TINY.n_layer))]
+    inputs = [calibration_inputs(seed, dead_scale) for seed in range(TINY.n_layer)]
+    covariances = [X.T @ X / len(X) for X in inputs]
     lrkv.convert_from(mha, covariances)
     idx = torch.randint(0, TINY.vocab_size, (2, 20))
     with torch.no_grad():
@@ -598,7 +601,7 @@ def test_mean_pooled_heads_are_what_whitening_would_choose(attn):
     mha = tiny_model("mha").double()
     inputs = [calibration_inputs(seed) for seed in range(TINY.n_layer)]
     pooled, whitened = converted64(mha, attn, None), converted64(mha, attn, inputs)
-    assert all(torch.equal(a, b) for a, b in zip(pooled.state_dict().values(), whitened.state_dict().values()))
+    assert all(torch.equal(pooled.state_dict()[k], v) for k, v in whitened.state_dict().items())
     H, d_h = TINY.n_head, TINY.head_dim
     generator = torch.Generator().manual_seed(0)
     for block, source, X in zip(pooled.blocks, mha.blocks, inputs):

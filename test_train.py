@@ -346,7 +346,8 @@ def test_init_from_starts_a_new_run_at_the_checkpoints_loss(data_dir, full_run, 
     source = tmp_path / "mha"
     assert train.main(flags(data_dir=data_dir, out_dir=source, attn="mha", max_steps=4, eval_interval=4)) == 0
     expected = torch.load(source / "ckpt.pt", weights_only=True)["val_loss"]
-    for name, attn in (("same", dict(attn="mha")), ("lrkv", dict(attn="lrkv", lrkv_rank=16, calibration_tokens=0)),
+    for name, attn in (("same", dict(attn="mha")),
+                       ("lrkv", dict(attn="lrkv", lrkv_rank=16, calibration_tokens=0)),
                        ("whitened", dict(attn="lrkv", lrkv_rank=16))):
         out = tmp_path / name
         assert train.main(flags(data_dir=data_dir, out_dir=out, max_steps=3, eval_interval=3, init_from=source / "ckpt.pt",
@@ -371,14 +372,16 @@ def test_calibration_records_the_normalised_inputs_each_attention_sees(data_dir)
     torch.manual_seed(0)
     model = GPT(GPTConfig(**{k: v for k, v in TINY.items() if k in GPTConfig.__dataclass_fields__}))
     with torch.no_grad():
-        for p in model.parameters():  # the init's zero output projections would make every layer's input alike
+        # the init's zero output projections would make every layer's input alike
+        for p in model.parameters():
             p.normal_(0, 0.3)
     shards = [prepare_data.read_shard(p) for p in prepare_data.shard_paths(data_dir, "train")]
     batches = train.TrainBatches(shards, 32)
     covariances = train.attention_input_covariances(model, batches, 100, 3, 3, "cpu")
     windows = batches.get(3, 0, 4, 0, 1)[0]
     with torch.no_grad():
-        x, expected = F.rms_norm(model.double().wte(windows), (TINY["n_embd"],)), []  # GPT normalises the embedding
+        # GPT normalises the embedding, then each block its input to the attention
+        x, expected = F.rms_norm(model.double().wte(windows), (TINY["n_embd"],)), []
         for block in model.blocks:
             X = F.rms_norm(x, (TINY["n_embd"],)).flatten(0, 1)  # (4 * 32, d)
             expected.append(X.T @ X / len(X))
@@ -390,8 +393,9 @@ def test_calibration_records_the_normalised_inputs_each_attention_sees(data_dir)
 
 
 def test_calibration_changes_a_low_rank_conversion_and_zero_tokens_is_the_weights_alone(data_dir, full_run):
-    cfg = train.TrainConfig(init_from=str(full_run / "ckpt.pt"), out_dir="unused", calibration_tokens=256, seed=1)
-    model_config = GPTConfig(**{**torch.load(full_run / "ckpt.pt", weights_only=True)["model_args"], "lrkv_rank": 2})
+    cfg = train.TrainConfig(init_from=str(full_run / "ckpt.pt"), out_dir="unused", seed=1)
+    source_args = torch.load(full_run / "ckpt.pt", weights_only=True)["model_args"]
+    model_config = GPTConfig(**{**source_args, "lrkv_rank": 2})
     shards = [prepare_data.read_shard(p) for p in prepare_data.shard_paths(data_dir, "train")]
     batches = train.TrainBatches(shards, 32)
     source = train.load_checkpoint(full_run / "ckpt.pt", "cpu")[1]
@@ -399,7 +403,9 @@ def test_calibration_changes_a_low_rank_conversion_and_zero_tokens_is_the_weight
         cfg.calibration_tokens = tokens
         state = train.load_init_checkpoint(cfg, model_config, batches, torch.device("cpu"))
         expected = GPT(model_config)
-        covariances = train.attention_input_covariances(source, batches, 256, 1, 16, "cpu") if tokens else None
+        covariances = None
+        if tokens:
+            covariances = train.attention_input_covariances(source, batches, 256, 1, 16, "cpu")
         expected.convert_from(source, covariances)
         assert all(torch.equal(state[k], v) for k, v in expected.state_dict().items()), tokens
         if not tokens:
@@ -412,7 +418,8 @@ def test_distill_loss_mixes_cross_entropy_with_the_kl_to_the_teachers_distributi
     config = GPTConfig(**{k: v for k, v in TINY.items() if k in GPTConfig.__dataclass_fields__})
     teacher, student = GPT(config), GPT(config)
     with torch.no_grad():
-        for p in [*teacher.parameters(), *student.parameters()]:  # the init's zero W_o and lm_head say too little
+        # the init's zero W_o and near-zero lm_head would leave the distributions nearly uniform
+        for p in [*teacher.parameters(), *student.parameters()]:
             p.normal_(0, 0.3)
     idx, targets = torch.randint(0, 256, (2, 2, 32))
     logits, cross_entropy = student(idx, targets)

@@ -86,8 +86,8 @@ class TrainConfig:
         for field in ("batch_size", "micro_batch_size", "max_steps", "eval_interval", "eval_tokens", "log_interval"):
             if getattr(self, field) < 1:
                 bad(field, "a positive integer")
-        for field in ("stop_after", "calibration_tokens", "warmup_steps", "seed", "muon_lr", "adamw_lr", "embedding_lr",
-                      "unembedding_lr", "weight_decay", "grad_clip"):
+        for field in ("stop_after", "calibration_tokens", "warmup_steps", "seed", "muon_lr", "adamw_lr",
+                      "embedding_lr", "unembedding_lr", "weight_decay", "grad_clip"):
             if not getattr(self, field) >= 0:  # `not >=` also refuses nan
                 bad(field, "zero or more")
         for field, allowed in (("optimizer", ("muon", "adamw")), ("device", ("auto", "cuda", "mps", "cpu")),
@@ -125,7 +125,8 @@ def main(argv=None):
         device = pick_device(cfg.device, local_rank)
         resumed = load_resume_checkpoint(cfg, model_config) if cfg.resume else None
         # --init_from seeds a run's first job; its --resume jobs go on from their own checkpoint
-        initial = load_init_checkpoint(cfg, model_config, data[1], device) if cfg.init_from and not cfg.resume else None
+        initial = (load_init_checkpoint(cfg, model_config, data[1], device)
+                   if cfg.init_from and not cfg.resume else None)
         # the model that --distill distils, in every job of the run
         teacher = load_checkpoint(cfg.init_from, device)[1].eval() if cfg.distill else None
     except ConfigError as e:
@@ -136,10 +137,12 @@ def main(argv=None):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world_size == 1:
-        return train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, world_size, teacher)
+        return train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, world_size,
+                     teacher)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
-        return train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, world_size, teacher)
+        return train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, world_size,
+                     teacher)
     finally:
         # DDP sits in reference cycles, which only the garbage collector frees: free it now, while
         # the process group and the interpreter are whole (at exit, gloo's threads can abort the process)
@@ -214,7 +217,8 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
                 with autocast:
                     logits, micro_loss = train_model(x[micro].to(device), y[micro].to(device))
                     if teacher is not None:
-                        micro_loss = distill_loss(micro_loss, logits, teacher, x[micro].to(device), cfg.distill)
+                        micro_loss = distill_loss(micro_loss, logits, teacher, x[micro].to(device),
+                                                  cfg.distill)
                 (micro_loss / accum_steps).backward()
             loss += micro_loss.detach() / accum_steps
         if ddp:
@@ -733,8 +737,10 @@ def load_init_checkpoint(cfg, model_config, batches, device):
     _, source = load_checkpoint(path, device if cfg.calibration_tokens else "meta")
     model = GPT(model_config)
     try:
-        covariances = (attention_input_covariances(source, batches, cfg.calibration_tokens, cfg.seed,
-                                                   cfg.micro_batch_size, device) if cfg.calibration_tokens else None)
+        covariances = None
+        if cfg.calibration_tokens:
+            covariances = attention_input_covariances(source, batches, cfg.calibration_tokens, cfg.seed,
+                                                      cfg.micro_batch_size, device)
         model.convert_from(source, covariances)
     except ValueError as e:
         raise ConfigError(f"--init_from={path}: {e}") from None
