@@ -310,7 +310,8 @@ def plot_kv_tradeoff(runs):
     metrics = [(key, name) for key, name in metrics if any(run[key] is not None for run in runs)]
     if not metrics:
         return None
-    fig = Figure(figsize=(4 * len(metrics) + 2, 3.6), layout="constrained")
+    # tall enough for the legend's line a run, and the Pareto front's (make convert has 20)
+    fig = Figure(figsize=(4 * len(metrics) + 2, max(3.6, 0.27 * (len(runs) + 2))), layout="constrained")
     axes = fig.subplots(1, len(metrics), squeeze=False)[0]
     for ax, (key, name) in zip(axes, metrics):
         points = [(100 * run["kv_cache_fraction"], run[key], i) for i, run in enumerate(runs) if run[key] is not None]
