@@ -63,17 +63,30 @@ demo-steps: $(DEMO_DATA)
 
 # make convert: for seeds 0 and 1, the demo's MHA model converted to LRKV r = 1, 2, 4, 8, GQA and
 # MQA, and MHA itself as the control, each uptrained 60 steps (config/convert.py: 10% of the
-# demo's 600), then analysed beside that seed's from-scratch demo runs (trained first if missing)
+# demo's 600), then analysed beside that seed's from-scratch demo runs (trained first if missing).
+# Each LRKV rank twice: from the weights alone (--calibration_tokens=0), and as lrkv-r*-white by
+# the default whitened SVD, calibrated on training tokens. GQA and MQA from the weights alone:
+# their mean is what calibration would give (docs/convert.md). LRKV r = 4 and 8, whitened, also
+# uptrained with --distill=0.5 for the steps that take 60 plain ones' time (its step costs 1.29-1.30
+# plain ones here, the teacher's forward pass counted: 46 and 47 steps).
 CONVERT = out/convert$(seed_suffix)
-CONVERT_RUNS := mha lrkv-r1 lrkv-r2 lrkv-r4 lrkv-r8 gqa mqa
+CONVERT_RUNS := mha lrkv-r1 lrkv-r2 lrkv-r4 lrkv-r8 lrkv-r1-white lrkv-r2-white lrkv-r4-white lrkv-r8-white \
+	lrkv-r4-white-distill lrkv-r8-white-distill gqa mqa
 CONVERTED = $(foreach run,$(CONVERT_RUNS),$(CONVERT)/$(run)/trained)
 FLAGS_lrkv-r1 := --attn=lrkv --lrkv_rank=1
 FLAGS_lrkv-r4 := --attn=lrkv --lrkv_rank=4
+FLAGS_lrkv-r1-white := $(FLAGS_lrkv-r1)
+FLAGS_lrkv-r2-white := $(FLAGS_lrkv-r2)
+FLAGS_lrkv-r4-white := $(FLAGS_lrkv-r4)
+FLAGS_lrkv-r8-white := $(FLAGS_lrkv-r8)
+FLAGS_lrkv-r4-white-distill := $(FLAGS_lrkv-r4) --distill=0.5 --max_steps=46
+FLAGS_lrkv-r8-white-distill := $(FLAGS_lrkv-r8) --distill=0.5 --max_steps=47
 
 $(CONVERT)/%/trained: $(DEMO)/mha/trained
 	@mkdir -p $(@D)
 	@echo "converting $(DEMO)/mha to $* -> $(@D)/train.out"
 	@OMP_NUM_THREADS=1 $(PY) train.py config/demo.py config/convert.py $(FLAGS_$*) --seed=$(SEED) \
+		$(if $(findstring -white,$*),,--calibration_tokens=0) \
 		--init_from=$(DEMO)/mha/ckpt.pt --out_dir=$(@D) > $(@D)/train.out || { tail -n 5 $(@D)/train.out; exit 1; }
 	@echo "$*: $$(grep 'step 0 |' $(@D)/train.out) -> $$(tail -n 1 $(@D)/train.out)"
 	@touch $@

@@ -12,9 +12,13 @@ $ python analyze.py out/mha/ckpt.pt --layer mean --centered --out_dir figures
 
 Writes effective_rank.png, head_correlation.png, kv_tradeoff.png, loss_curves.png (from each
 run's log.jsonl beside its checkpoint), rank_energy.png (for an MHA checkpoint: how much rank
-its heads' keys and values need, from the weights alone) and analysis.json, and prints a table.
-Runs started from another checkpoint (train.py --init_from) are told apart and show where they
-started. Everything runs on the CPU in float64.
+its heads' keys and values need, from the weights alone and, where its training data is there,
+as the inputs of its attention see them) and analysis.json, and prints a table. Runs started
+from another checkpoint (train.py --init_from) are told apart and show where they started, and
+a conversion calibrated on the inputs (--calibration_tokens) is labelled "whitened", an
+uptraining with a KL term to the source (--distill) "distilled".
+Everything runs on the CPU in float64, but for the MHA model's forward pass over its training
+data (fp32), which gives rank_energy.png's inputs.
 """
 
 import argparse
@@ -30,7 +34,9 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from model import ATTENTION, shared_plus_low_rank
-from train import ConfigError, load_checkpoint, read_log
+from prepare_data import read_shard, shard_paths
+from train import (ConfigError, TrainBatches, TrainConfig, attention_input_covariances, load_checkpoint,
+                   read_log)
 
 
 def fail(path, problem):
@@ -74,24 +80,46 @@ def effective_rank(G, centered=False):
     return math.exp(-(p * np.log(p)).sum())
 
 
-def rank_energy(model):
+def rank_energy(model, covariances=None):
     """Per layer, for keys and for values: the share of the heads' deviation from their mean,
     sum_h ||W_h - W_shared||_F^2, that a rank-r residual per head keeps, for r = 1..d_h: the
     energy LRKV's conversion from these heads keeps (shared_plus_low_rank; by Eckart-Young no
-    rank-r residuals keep more). None for a variant with no per-head projections or no spread."""
+    rank-r residuals keep more). With covariances, per layer the C of its attention's inputs, the
+    deviation as those inputs see it, sum_h ||(W_h - W_shared) C^(1/2)||_F^2: what the whitened
+    conversion keeps. None for a variant with no per-head projections or no spread."""
     try:
         per_layer = [block.attn.head_kv_weights() for block in model.blocks]
     except ValueError:
         return None
     energy = {"keys": [], "values": []}
-    for W_K, W_V in per_layer:
+    for (W_K, W_V), C in zip(per_layer, covariances or [None] * len(per_layer)):
         for name, W in (("keys", W_K), ("values", W_V)):
-            S = shared_plus_low_rank(W, 0)[3]  # (H, d_h) singular values of each W_h - W_shared
+            S = shared_plus_low_rank(W, 0, C)[3]  # (H, d_h): of each W_h - W_shared [times C^(1/2)]
             by_rank = S.pow(2).sum(0)  # (d_h,): what the heads' i-th singular directions hold together
             if by_rank.sum() == 0:
                 return None
             energy[name].append((by_rank.cumsum(0) / by_rank.sum()).tolist())
     return energy
+
+
+def seen_rank_energy(path):
+    """rank_energy of the checkpoint's heads as its attention's inputs see them, calibrated as
+    train.py --init_from calibrates a conversion from it by default: TrainConfig's
+    calibration_tokens tokens of its data_dir's train split, drawn for its seed. (None, why)
+    where that data is not there, else (energy, None)."""
+    ckpt, model = load_checkpoint(path, "cpu")
+    config = ckpt.get("config", {})
+    if "data_dir" not in config:
+        return None, "the checkpoint names no data_dir"
+    try:
+        shards = [read_shard(shard) for shard in shard_paths(config["data_dir"], "train")]
+    except (OSError, ValueError) as e:
+        return None, str(e)
+    batches = TrainBatches(shards, model.config.block_size)
+    # 8 windows at a time: the 128M model's activations for 8 x 2048 tokens fit a CPU's memory
+    covariances = attention_input_covariances(model, batches, TrainConfig.calibration_tokens,
+                                              config.get("seed", 0), 8, "cpu")
+    return rank_energy(model.double(), covariances), None
 
 
 def loss_curves(records, ckpt):
@@ -123,6 +151,8 @@ def analyze(path):
     validation = {key: None if ckpt.get(key) is None else float(ckpt[key]) for key in ("val_loss", "val_bpb")}
     records = read_log(Path(path).parent)
     init_from = ckpt.get("config", {}).get("init_from") or None
+    init_from_args = source_args(init_from)
+    converted = init_from_args is not None and init_from_args != dataclasses.asdict(config)
     return config, {
         "ckpt": str(path),
         "attn": config.attn,
@@ -134,7 +164,11 @@ def analyze(path):
         **validation,
         "curves": loss_curves(records, ckpt),
         "init_from": init_from,
-        "init_from_args": source_args(init_from),
+        "init_from_args": init_from_args,
+        # converted by the whitened SVD (a checkpoint from before --calibration_tokens was not),
+        # uptrained with --distill: each drawn apart (line_style, plot_kv_tradeoff)
+        "whitened": converted and ckpt["config"].get("calibration_tokens", 0) > 0,
+        "distilled": ckpt.get("config", {}).get("distill", 0) > 0,
         # a run from --init_from evaluates the converted model at step 0, before any update
         "start": next(({k: r[k] for k in ("val_loss", "val_bpb")} for r in records
                        if r["step"] == 0 and "val_loss" in r), None),
@@ -168,20 +202,30 @@ def colors(labels):
 
 def legend_labels(configs, runs):
     """The paper's legend labels, each variant's own (Attention.legend_label), and for a run
-    started from another checkpoint "uptrained" (the same model) or "converted" (another), or
-    "from a checkpoint" where that one is gone; a label that would still name two checkpoints
-    (two seeds, say) gets each one's folder appended."""
+    started from another checkpoint "uptrained" (the same model) or "converted" (another, and
+    "whitened" when the conversion was calibrated on the inputs), or "from a checkpoint" where
+    that one is gone, each "distilled" when uptrained with --distill; a label that would still
+    name two checkpoints (two seeds, say) gets each one's folder appended."""
     def started(config, run):
         if not run["init_from"]:
             return ""
         if run["init_from_args"] is None:
-            return ", from a checkpoint"
-        return ", uptrained" if run["init_from_args"] == dataclasses.asdict(config) else ", converted"
+            how = ", from a checkpoint"
+        elif run["init_from_args"] == dataclasses.asdict(config):
+            how = ", uptrained"
+        else:
+            how = ", converted, whitened" if run["whitened"] else ", converted"
+        return how + (", distilled" if run["distilled"] else "")
     names = [ATTENTION[c.attn].legend_label(c, [peer for peer in configs if peer.attn == c.attn])
              + started(c, run) for c, run in zip(configs, runs)]
     ckpts = [run["ckpt"] for run in runs]
     return [f"{name} ({Path(ckpt).parent})" if names.count(name) > 1 else name
             for name, ckpt in zip(names, ckpts)]
+
+
+def line_style(run):
+    """Runs converted alike share a colour: whitened ones are drawn dashed, distilled ones dotted."""
+    return ":" if run["distilled"] else "--" if run["whitened"] else "-"
 
 
 def model_size(n_params):
@@ -204,7 +248,8 @@ def plot_effective_rank(runs, centered):
     fig = Figure(figsize=(7.5, 4), layout="constrained")
     ax = fig.subplots()
     for run in runs:
-        ax.plot(run[key], marker="o", markersize=4, color=run["color"], label=run["label"])
+        ax.plot(run[key], marker="o", markersize=4, color=run["color"], linestyle=line_style(run),
+                label=run["label"])
     ax.axhline(redundant, color="gray", linestyle="--", label="Fully redundant")
     ax.set_ylim(redundant - 0.2, top + 0.2)
     ax.set_yticks(range(redundant, top + 1))
@@ -262,26 +307,27 @@ def pareto_front(points):
 
 def plot_kv_tradeoff(runs):
     """Validation loss and BPB against KV cache per token as % of MHA, one point per checkpoint
-    with validation numbers, and their Pareto front; a converted run (diamond) also where it
-    started (hollow), before uptraining.
+    with validation numbers, and their Pareto front; a converted run (diamond; whitened a square,
+    distilled a triangle) also where it started (hollow), before uptraining.
     None if no checkpoint carries validation numbers."""
     metrics = [("val_loss", "Validation loss (nats/token)"), ("val_bpb", "Validation bits per byte")]
     metrics = [(key, name) for key, name in metrics if any(run[key] is not None for run in runs)]
     if not metrics:
         return None
-    fig = Figure(figsize=(4 * len(metrics) + 2, 3.6), layout="constrained")
+    # tall enough for the legend's line a run, and the Pareto front's (make convert has 20)
+    fig = Figure(figsize=(4 * len(metrics) + 2, max(3.6, 0.27 * (len(runs) + 2))), layout="constrained")
     axes = fig.subplots(1, len(metrics), squeeze=False)[0]
     for ax, (key, name) in zip(axes, metrics):
         points = [(100 * run["kv_cache_fraction"], run[key], i) for i, run in enumerate(runs)
                   if run[key] is not None]
         for x, y, i in points:
-            start = runs[i]["start"]
-            marker = "D" if runs[i]["init_from"] else "o"
-            ax.scatter(x, y, color=runs[i]["color"], marker=marker, label=runs[i]["label"], zorder=3)
-            if start is not None:  # where a converted run began, before uptraining
-                ax.scatter(x, start[key], facecolors="none", edgecolors=runs[i]["color"], marker=marker,
+            run = runs[i]
+            marker = "^" if run["distilled"] else "s" if run["whitened"] else "D" if run["init_from"] else "o"
+            ax.scatter(x, y, color=run["color"], marker=marker, label=run["label"], zorder=3)
+            if run["start"] is not None:  # where a converted run began, before uptraining
+                ax.scatter(x, run["start"][key], facecolors="none", edgecolors=run["color"], marker=marker,
                            zorder=3)
-                ax.plot([x, x], [start[key], y], color=runs[i]["color"], linestyle=":", zorder=2)
+                ax.plot([x, x], [run["start"][key], y], color=run["color"], linestyle=":", zorder=2)
         front = pareto_front([(x, y) for x, y, _ in points])
         ax.plot(*zip(*front), color="gray", linestyle="--", zorder=2, label="Pareto front")
         ax.grid(alpha=0.3)
@@ -305,7 +351,7 @@ def plot_loss_curves(runs):
             if run["curves"] and run["curves"][kind]:
                 tokens, loss = zip(*run["curves"][kind])
                 ax.plot(np.array(tokens) / 1e6, loss, color=run["color"], label=run["label"],
-                        marker="o" if kind == "val" else None, markersize=3)
+                        linestyle=line_style(run), marker="o" if kind == "val" else None, markersize=3)
         ax.grid(alpha=0.3)
         ax.set_xlabel("Tokens (millions)")
         ax.set_ylabel(f"{name} (nats/token)")
@@ -317,26 +363,33 @@ def plot_loss_curves(runs):
 def plot_rank_energy(run, head_dim):
     """run's rank_energy: per layer, the share of its heads' key (left) and value (right)
     deviation from their mean that a rank-r residual per head keeps, with the paper's ranks
-    (r = 16, 46 and 64 of d_h = 128) marked where they fall at this head dim."""
-    fig = Figure(figsize=(10, 4.6), layout="constrained")
-    axes = fig.subplots(1, 2, sharey=True)
+    (r = 16, 46 and 64 of d_h = 128) marked where they fall at this head dim; below it, where
+    the run has one, its rank_energy_seen, the same share as its attention's inputs see it."""
+    spectra = [(key, what) for key, what in (("rank_energy", "sum_h ||W_h - mean||_F^2"),
+                                             ("rank_energy_seen", "sum_h ||(W_h - mean) C^(1/2)||_F^2"))
+               if run.get(key)]
+    fig = Figure(figsize=(10, 1.2 + 3.4 * len(spectra)), layout="constrained")
+    axes = fig.subplots(len(spectra), 2, sharex=True, sharey=True, squeeze=False)
     ranks = np.arange(1, head_dim + 1)
-    for ax, name in zip(axes, ("keys", "values")):
-        layers = run["rank_energy"][name]
-        for layer, kept in enumerate(layers):
-            # the first layer dark, the last light
-            shade = colormaps["viridis"](0.9 * layer / max(1, len(layers) - 1))
-            ax.plot(ranks, kept, marker="o", markersize=3, color=shade, label=f"layer {layer}")
-        for paper_r, style in ((16, ":"), (46, "--"), (64, "-.")):
-            ax.axvline(paper_r * head_dim / 128, color="gray", linestyle=style,
-                       label=f"the paper's r = {paper_r} of 128 (here {paper_r * head_dim / 128:g})")
-        ax.set_ylim(0, 1.02)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
+    for row, (key, what) in zip(axes, spectra):
+        for ax, name in zip(row, ("keys", "values")):
+            layers = run[key][name]
+            for layer, kept in enumerate(layers):
+                # the first layer dark, the last light
+                shade = colormaps["viridis"](0.9 * layer / max(1, len(layers) - 1))
+                ax.plot(ranks, kept, marker="o", markersize=3, color=shade, label=f"layer {layer}")
+            for paper_r, style in ((16, ":"), (46, "--"), (64, "-.")):
+                ax.axvline(paper_r * head_dim / 128, color="gray", linestyle=style,
+                           label=f"the paper's r = {paper_r} of 128 (here {paper_r * head_dim / 128:g})")
+            ax.set_ylim(0, 1.02)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.grid(alpha=0.3)
+            seen = "the weights alone" if key == "rank_energy" else "as the attention's inputs see them"
+            ax.set_title(f"{name.capitalize()}, {seen}")
+        row[0].set_ylabel(f"Share of {what} kept")
+    for ax in axes[-1]:
         ax.set_xlabel("Rank r of each head's residual")
-        ax.set_title(name.capitalize())
-    axes[0].set_ylabel("Share of sum_h ||W_h - mean||_F^2 kept")
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=4)
+    fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="outside lower center", ncols=4)
     fig.suptitle(f"Rank the Heads Need ({run['label']}, {model_size(run['n_params'])})")
     return fig
 
@@ -418,6 +471,9 @@ def main(argv=None):
     mha = next((run for run in runs if run["attn"] == "mha" and run["rank_energy"] and not run["init_from"]),
                None)
     if mha is not None:
+        mha["rank_energy_seen"], missing = seen_rank_energy(mha["ckpt"])
+        if missing:
+            print(f"rank_energy.png from the weights alone, with no inputs to see them through: {missing}")
         figures["rank_energy.png"] = plot_rank_energy(mha, len(mha["rank_energy"]["keys"][0]))
     needs = {"kv_tradeoff.png": "validation numbers", "loss_curves.png": "a log.jsonl beside it"}
     for name, fig in figures.items():

@@ -212,9 +212,14 @@ class Attention(nn.Module):
         raise ValueError(f"--attn={self.attn_name()} gives no per-head key and value projections "
                          "to convert from")
 
-    def load_head_kv_weights(self, W_K: torch.Tensor, W_V: torch.Tensor) -> None:
+    def load_head_kv_weights(self, W_K: torch.Tensor, W_V: torch.Tensor,
+                             C: torch.Tensor | None = None) -> None:
         """Set this layer's key and value parameters from H per-head projections (head_kv_weights'
-        layout), as close to them as the variant can be. The target of a conversion."""
+        layout), as close to them as the variant can be. The target of a conversion. C: None, or
+        the (d, d) covariance E[x x^T] of the inputs x this layer's attention sees (uncentred: the
+        projections have no bias), which makes "close" mean close on those inputs: an error E of a
+        head's projection costs E||E x||^2 = ||E C^(1/2)||_F^2 there. A variant uses C where it
+        changes its answer."""
         raise ValueError(f"--attn={self.attn_name()} cannot be built from per-head key and value projections")
 
     def attn_name(self):
@@ -271,9 +276,12 @@ class GroupedQueryAttention(Attention):
         H, G, d_h = self.n_head, self.n_kv_head, self.head_dim
         return tuple(W.weight.view(G, d_h, -1).repeat_interleave(H // G, dim=0) for W in (self.W_k, self.W_v))
 
-    def load_head_kv_weights(self, W_K, W_V):
+    def load_head_kv_weights(self, W_K, W_V, C=None):
         """Each key/value head is the mean of its group's H/G heads, as Ainslie et al. (2023)
-        convert MHA to GQA; with G = H that is the identity."""
+        convert MHA to GQA; with G = H that is the identity. C changes nothing: for any C the
+        mean W of a group's heads W_h minimises sum_h ||(W_h - M) C^(1/2)||_F^2, which is
+        sum_h ||(W_h - W) C^(1/2)||_F^2 + (H/G) ||(W - M) C^(1/2)||_F^2 (the cross term holds
+        sum_h (W_h - W) = 0)."""
         G, d_h = self.n_kv_head, self.head_dim
         for W, heads in ((self.W_k, W_K), (self.W_v, W_V)):
             W.weight.copy_(heads.view(G, -1, d_h, heads.size(-1)).mean(1).flatten(0, 1))
@@ -488,30 +496,54 @@ class LowRankKVAttention(Attention):
         H, d_h, r = self.n_head, self.head_dim, self.lrkv_rank
         return W_shared.weight + torch.einsum("hdr,hrc->hdc", factor.view(H, d_h, r), U.weight.view(H, r, -1))
 
-    def load_head_kv_weights(self, W_K, W_V):
-        """W_shared = the heads' mean, U_h B_h^T = the rank-r truncated SVD of W_h - W_shared
-        (shared_plus_low_rank), for keys and values alike. With r = d_h it is every head exactly."""
-        self.load_head_weights(W_K, self.W_shared_k, self.U_k, self.B_k)
-        self.load_head_weights(W_V, self.W_shared_v, self.U_v, self.B_v)
+    def load_head_kv_weights(self, W_K, W_V, C=None):
+        """W_shared = the heads' mean, U_h B_h^T = the rank-r truncated SVD of W_h - W_shared, or
+        with C its whitened truncated SVD, the closest on the inputs (shared_plus_low_rank), for
+        keys and values alike. With r = d_h it is every head exactly, with or without C. The mean
+        stays the shared part with C too: it is the optimal single projection in the norm of any C
+        (GroupedQueryAttention.load_head_kv_weights), and the residuals take what it misses."""
+        C = None if C is None else C.to(W_K.device, torch.float64)
+        self.load_head_weights(W_K, self.W_shared_k, self.U_k, self.B_k, C)
+        self.load_head_weights(W_V, self.W_shared_v, self.U_v, self.B_v, C)
 
-    def load_head_weights(self, heads, W_shared, U, factor):
-        mean, B_h, U_h, _ = shared_plus_low_rank(heads.double(), self.lrkv_rank)
+    def load_head_weights(self, heads, W_shared, U, factor, C):
+        mean, B_h, U_h, _ = shared_plus_low_rank(heads.double(), self.lrkv_rank, C)
         W_shared.weight.copy_(mean)
         U.weight.copy_(U_h.flatten(0, 1))
         factor.copy_(B_h.flatten(0, 1))
 
 
-def shared_plus_low_rank(W, r):
+def shared_plus_low_rank(W, r, C=None):
     """W (H, d_h, d), H per-head projections, as W_h = W_shared + B_h U_h: W_shared (d_h, d) their
-    mean, and B (H, d_h, r), U (H, r, d) the rank-r truncated SVD of each W_h - W_shared, the
-    closest rank-r matrix in Frobenius norm (Eckart-Young). Also every singular value of the
-    deviations, S (H, d_h), largest first. Each singular value is split evenly, sqrt(S) into both
-    factors: their product does not care, and balanced factors have equal norms, so an optimiser
-    that uptrains them moves each by the same share of itself."""
+    mean, and B (H, d_h, r), U (H, r, d) each head's rank-r residual, the closest to its deviation
+    D_h = W_h - W_shared in one of two norms; also the singular values S (H, d_h) of the D_h in
+    that norm, largest first.
+    - Without C, Frobenius: the residual is the truncated SVD of D_h (Eckart-Young).
+    - With C, the (d, d) covariance E[x x^T] of the heads' inputs, the error on those inputs,
+      E||(D_h - B_h U_h) x||^2 = ||(D_h - B_h U_h) C^(1/2)||_F^2: the residual is the truncated SVD
+      P_r S_r Q_r^T of D_h C^(1/2) mapped back by C^(-1/2) (whitened, as SVD-LLM, Palu and CARE
+      compress k_proj and v_proj), and it misses by the singular values of D_h C^(1/2) it drops.
+    Both are P_r P_r^T D_h, P_r the top r left singular vectors of D_h as the norm sees it
+    (P_r S_r Q_r^T C^(-1/2) = P_r P_r^T D_h C^(1/2) C^(-1/2)), which needs no inverse of C. A
+    singular C, with directions the inputs never take, has none; along such a direction every
+    residual is as good as another on the inputs, and P_r P_r^T D_h is the one closest to D_h (it
+    keeps D_h's part in the r output directions kept), so r = d_h stays exact, where a
+    pseudo-inverse would drop that part and an eigenvalue floor would change the answer.
+    Each singular value of the residual is split evenly, sqrt into both factors: their product
+    does not care, and balanced factors have equal norms, so an optimiser that uptrains them
+    moves each by the same share of itself."""
     mean = W.mean(0)
-    P, S, Qt = torch.linalg.svd(W - mean, full_matrices=False)  # (H, d_h, d_h), (H, d_h), (H, d_h, d)
-    root = S[:, :r].sqrt()
-    return mean, P[..., :r] * root[:, None, :], root[..., None] * Qt[:, :r], S
+    D = W - mean  # (H, d_h, d)
+    if C is not None:
+        eigenvalues, V = torch.linalg.eigh(C)
+        # a dead direction's eigenvalue 0 comes out of eigh as +-rounding: sqrt needs it >= 0
+        seen = D @ (V * eigenvalues.clamp(min=0).sqrt() @ V.mT)  # (H, d_h, d): D_h C^(1/2)
+    P, S, _ = torch.linalg.svd(D if C is None else seen, full_matrices=False)  # (H, d_h, d_h), (H, d_h)
+    P_r = P[..., :r]
+    # P_r^T D_h = Y sigma Z^T: (H, r, r), (H, r), (H, r, d)
+    Y, sigma, Zt = torch.linalg.svd(P_r.mT @ D, full_matrices=False)
+    root = sigma.sqrt()
+    return mean, P_r @ Y * root[:, None, :], root[..., None] * Zt, S
 
 
 class MultiHeadLatentAttention(Attention):
@@ -631,7 +663,7 @@ class MultiHeadLatentAttention(Attention):
 
     # conversion
 
-    def load_head_kv_weights(self, W_K, W_V):
+    def load_head_kv_weights(self, W_K, W_V, C=None):
         # MHA2MLA (Ji et al., 2025) first uptrains the source with RoPE on a few frequencies only
         raise ValueError("MLA is not converted to: its keys' d_h position-free dims need keys that RoPE "
                          "leaves alone, and per-head keys rotate every dim (docs/convert.md)")
@@ -729,12 +761,14 @@ class GPT(nn.Module):
         return 6 * matmul_params + 6 * sum(block.attn.attention_macs(T) for block in self.blocks)
 
     @torch.no_grad()
-    def convert_from(self, source):
+    def convert_from(self, source, covariances=None):
         """Take a trained GPT's weights: the embeddings, queries, output projections and MLPs as
         they are, and each layer's keys and values through the variants' conversion, source's
         per-head projections (head_kv_weights) built into this layer's (load_head_kv_weights).
-        A model of the same variant and shapes is copied whole. Width, heads, head dim, layers and
-        vocabulary must agree: nothing else can carry over."""
+        covariances: None (the weights alone), or per layer the (d, d) covariance of the inputs
+        source's attention sees there (train.py's attention_input_covariances), for
+        load_head_kv_weights. A model of the same variant and shapes is copied whole. Width,
+        heads, head dim, layers and vocabulary must agree: nothing else can carry over."""
         for field in ("n_embd", "n_head", "head_dim", "n_layer", "vocab_size"):
             if getattr(self.config, field) != getattr(source.config, field):
                 raise ValueError(f"the checkpoint has {field} = {getattr(source.config, field)}, this model "
@@ -744,8 +778,9 @@ class GPT(nn.Module):
         if self.config.attn == source.config.attn and all(ours[k].shape == theirs[k].shape for k in ours):
             self.load_state_dict(theirs)
             return
-        for block, source_block in zip(self.blocks, source.blocks):
-            block.attn.load_head_kv_weights(*source_block.attn.head_kv_weights())
+        covariances = covariances or [None] * len(self.blocks)
+        for block, source_block, C in zip(self.blocks, source.blocks, covariances):
+            block.attn.load_head_kv_weights(*source_block.attn.head_kv_weights(), C)
         kept = ("wte.", "lm_head.", ".mlp.", ".attn.W_q.", ".attn.W_o.")
         self.load_state_dict({k: v for k, v in theirs.items() if any(part in f".{k}" for part in kept)},
                              strict=False)

@@ -14,6 +14,8 @@ import pytest
 import torch
 
 import analyze
+import prepare_data
+import train
 from model import GPT, GPTConfig
 
 H, D, D_QK = 4, 24, 6
@@ -244,22 +246,100 @@ def test_rank_energy_is_the_share_of_the_heads_deviation_each_rank_keeps():
     assert analyze.rank_energy(GPT(replace(TINY, attn="mla"))) is None  # no per-head projections
 
 
+def test_rank_energy_through_the_inputs_is_the_share_of_X_D_h_each_rank_keeps():
+    """With each layer's input covariance C = X^T X / n, the singular values that count are
+    those of X (W_h - mean)^T, the deviation on the inputs themselves."""
+    torch.manual_seed(0)
+    model = GPT(replace(TINY, attn="mha")).double()
+    H, d_h, d = TINY.n_head, TINY.head_dim, TINY.n_embd
+    inputs = [torch.randn(200, d, dtype=torch.float64) * torch.logspace(0, -2, d, dtype=torch.float64)
+              for _ in range(TINY.n_layer)]
+    energy = analyze.rank_energy(model, [X.T @ X / len(X) for X in inputs])
+    for layer, (block, X) in enumerate(zip(model.blocks, inputs)):
+        for name, W in (("keys", block.attn.W_k), ("values", block.attn.W_v)):
+            heads = W.weight.view(H, d_h, -1)
+            seen = [torch.linalg.svdvals(X @ (heads[h] - heads.mean(0)).T) ** 2 for h in range(H)]
+            total = sum(s.sum() for s in seen)
+            for r in range(1, d_h + 1):
+                kept = sum(s[:r].sum() for s in seen) / total
+                assert energy[name][layer][r - 1] == pytest.approx(kept.item(), rel=1e-9)
+    assert energy != analyze.rank_energy(model)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """Byte shards of twenty pydoc topics, through prepare_data.py."""
+    from pydoc_data.topics import topics
+    root = tmp_path_factory.mktemp("data")
+    for i, key in enumerate(sorted(topics)[:20]):
+        (root / f"{i:02d}.txt").write_text(topics[key])
+    prepare_data.main(["--dataset=text", "--tokenizer=byte", "--input", str(root),
+                       f"--out_dir={root / 'bytes'}"])
+    return root / "bytes"
+
+
+def test_rank_energy_png_sees_the_heads_through_the_checkpoints_training_data(tmp_path, data_dir, capsys):
+    """With its data_dir there, an MHA checkpoint's rank_energy.png gains a row for the heads as
+    the inputs see them, calibrated as a conversion from it is by default (TrainConfig's
+    calibration_tokens of its seed's windows); without it, one row and the reason."""
+    found, gone = tmp_path / "found" / "mha" / "ckpt.pt", tmp_path / "gone" / "mha" / "ckpt.pt"
+    for path, data in ((found, data_dir), (gone, tmp_path / "nowhere")):
+        save_checkpoint(path, attn="mha", vocab_size=256, log=[])
+        ckpt = torch.load(path, weights_only=True)
+        ckpt["config"].update(data_dir=str(data), seed=2)
+        torch.save(ckpt, path)
+    analyze.main([str(found)])
+    run = json.loads((found.parent / "analysis.json").read_text())["runs"][0]
+    model = train.load_checkpoint(found, "cpu")[1]
+    shards = [prepare_data.read_shard(p) for p in prepare_data.shard_paths(data_dir, "train")]
+    batches = train.TrainBatches(shards, TINY.block_size)
+    tokens = train.TrainConfig.calibration_tokens
+    covariances = train.attention_input_covariances(model, batches, tokens, 2, 8, "cpu")
+    assert run["rank_energy_seen"] == analyze.rank_energy(model.double(), covariances)
+    assert [ax.get_title() for ax in analyze.plot_rank_energy(run, TINY.head_dim).axes] == [
+        "Keys, the weights alone", "Values, the weights alone",
+        "Keys, as the attention's inputs see them", "Values, as the attention's inputs see them"]
+    capsys.readouterr()
+    analyze.main([str(gone)])
+    out = capsys.readouterr().out
+    assert "rank_energy.png from the weights alone, with no inputs to see them through: " in out
+    run = json.loads((gone.parent / "analysis.json").read_text())["runs"][0]
+    assert run["rank_energy_seen"] is None and len(analyze.plot_rank_energy(run, TINY.head_dim).axes) == 2
+
+
 def test_a_converted_run_shows_where_it_started(tmp_path, capsys):
     """A run with init_from gets its own label and its step-0 loss beside its last."""
     source = tmp_path / "out" / "mha" / "ckpt.pt"
     save_checkpoint(source, attn="mha", val_loss=3.0, val_bpb=0.9)
-    for name, attn, init_from in (("lrkv", "lrkv", source), ("again", "mha", source),
-                                  ("gone", "gqa", tmp_path / "gone.pt")):
+    # lrkv was converted before --calibration_tokens existed, white with it, again's copy needs none
+    for name, attn, init_from, tokens in (("lrkv", "lrkv", source, None), ("white", "lrkv", source, 256),
+                                          ("taught", "lrkv", source, 256), ("again", "mha", source, 256),
+                                          ("gone", "gqa", tmp_path / "gone.pt", 256)):
         path = tmp_path / "converted" / name / "ckpt.pt"
         save_checkpoint(path, val_loss=2.9, val_bpb=0.88, attn=attn,
                         log=[dict(step=0, val_loss=3.5, val_bpb=1.1), dict(step=5, loss=3.0, lr=0.01)])
         ckpt = torch.load(path, weights_only=True)
         ckpt["config"]["init_from"] = str(init_from)
+        if tokens is not None:
+            ckpt["config"]["calibration_tokens"] = tokens
+        if name == "taught":
+            ckpt["config"]["distill"] = 0.5
         torch.save(ckpt, path)
     analyze.main([str(tmp_path / "converted"), str(source)])
     runs = json.loads((tmp_path / "converted" / "analysis.json").read_text())["runs"]
     assert [run["label"] for run in runs] == ["Standard MHA", "Standard MHA, uptrained",
-                                              "LRKV (r=2), converted", "GQA (2 KV heads), from a checkpoint"]
-    assert [run["start"] for run in runs] == [None] + [dict(val_loss=3.5, val_bpb=1.1)] * 3
+                                              "LRKV (r=2), converted",
+                                              "LRKV (r=2), converted, whitened, distilled",
+                                              "LRKV (r=2), converted, whitened",
+                                              "GQA (2 KV heads), from a checkpoint"]
+    assert [run["whitened"] for run in runs] == [False, False, False, True, True, False]
+    assert [run["start"] for run in runs] == [None] + [dict(val_loss=3.5, val_bpb=1.1)] * 5
     table = capsys.readouterr().out.splitlines()
     assert "val loss at step 0" in table[0] and table[3].split()[-7:-5] == ["3.500", "2.900"]
+    # markers tell the whitened run (a square) and the distilled one (a triangle) from the other
+    # converted runs (diamonds)
+    loss, _ = analyze.plot_kv_tradeoff(runs).axes
+    marker = {points.get_label(): points.get_paths()[0].vertices.tolist() for points in loss.collections}
+    assert marker["LRKV (r=2), converted"] == marker["Standard MHA, uptrained"]
+    shapes = [marker[f"LRKV (r=2), converted{how}"] for how in ("", ", whitened", ", whitened, distilled")]
+    assert all(a != b for i, a in enumerate(shapes) for b in shapes[i + 1:])

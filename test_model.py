@@ -607,6 +607,110 @@ def test_lrkv_residuals_lose_exactly_the_discarded_singular_values():
                 torch.testing.assert_close(B[h].norm(dim=0), U[h].norm(dim=1), atol=1e-5, rtol=1e-4)
 
 
+# Activation-aware conversion: each layer weighs its heads' error by the inputs its attention sees
+
+def calibration_inputs(seed, dead_scale=1.0, n=400):
+    """X (n, d) in float64: inputs whose scale spans a factor 100 over a random basis, so that
+    the whitened and the plain conversions differ, and whose input dim 0 is multiplied by
+    dead_scale (0: a dead direction, which makes X^T X singular)."""
+    generator = torch.Generator().manual_seed(seed)
+    d = TINY.n_embd
+    basis = torch.linalg.qr(torch.randn(d, d, generator=generator, dtype=torch.float64))[0]
+    scales = torch.logspace(0, -2, d, dtype=torch.float64)
+    X = torch.randn(n, d, generator=generator, dtype=torch.float64) * scales @ basis
+    X[:, 0] *= dead_scale
+    return X
+
+
+def converted64(source, attn, inputs, **overrides):
+    """source converted in float64, layer l weighing by the covariance X^T X / n of inputs[l]."""
+    model = GPT(replace(source.config, attn=attn, **overrides)).double()
+    model.convert_from(source.double(), None if inputs is None else [X.T @ X / len(X) for X in inputs])
+    return model
+
+
+def lrkv_deviations(lrkv, mha):
+    """Per layer, keys then values: each head's deviation from the mean D_h (H, d_h, d) and its
+    rank-r residual B_h U_h from the converted model, both float64."""
+    H, d_h, r = TINY.n_head, TINY.head_dim, lrkv.config.lrkv_rank
+    for block, source in zip(lrkv.blocks, mha.blocks):
+        attn = block.attn
+        for W, U, B in ((source.attn.W_k, attn.U_k, attn.B_k), (source.attn.W_v, attn.U_v, attn.B_v)):
+            heads = W.weight.double().view(H, d_h, -1)
+            yield heads - heads.mean(0), B.view(H, d_h, r) @ U.weight.view(H, r, -1)
+
+
+@pytest.mark.parametrize("dead_scale", [1.0, 0.0])
+def test_whitened_residuals_lose_on_the_inputs_exactly_the_dropped_singular_values(dead_scale):
+    """Whitened Eckart-Young: on the calibration inputs X, each head's rank-r residual misses its
+    deviation D_h by the singular values of X D_h^T that it drops, the least any rank-r matrix can,
+    and less than the plain SVD misses there; also with a dead input direction (dead_scale 0)."""
+    mha, r = tiny_model("mha").double(), 3
+    inputs = [calibration_inputs(seed, dead_scale) for seed in range(TINY.n_layer)]
+    whitened = lrkv_deviations(converted64(mha, "lrkv", inputs, lrkv_rank=r), mha)
+    plain = lrkv_deviations(converted64(mha, "lrkv", None, lrkv_rank=r), mha)
+    for i, ((D, M), (_, M_plain)) in enumerate(zip(whitened, plain)):
+        X = inputs[i // 2]  # keys and values of one layer see the same inputs
+        assert torch.isfinite(M).all()
+        for h in range(TINY.n_head):
+            error = torch.linalg.matrix_norm(X @ (D[h] - M[h]).T) ** 2
+            dropped = torch.linalg.svdvals(X @ D[h].T)[r:]
+            assert error.item() == pytest.approx((dropped ** 2).sum().item(), rel=1e-9)
+            assert torch.linalg.matrix_norm(X @ (D[h] - M_plain[h]).T) ** 2 > 1.05 * error
+
+
+def test_a_dead_input_direction_keeps_the_deviation_in_the_kept_output_directions():
+    """A direction the inputs never take (column 0 of X zero) costs nothing on them, so any
+    residual there is as good as another: the conversion keeps D_h's part in the output
+    directions its residual spans, the choice closest to D_h, which is the limit of inputs that
+    take it less and less, with nothing blowing up on the way."""
+    mha, r = tiny_model("mha").double(), 3
+
+    def residuals(scale):
+        inputs = [calibration_inputs(seed, scale) for seed in range(TINY.n_layer)]
+        return lrkv_deviations(converted64(mha, "lrkv", inputs, lrkv_rank=r), mha)
+
+    for (D, M), (_, M_faint) in zip(residuals(0.0), residuals(1e-9)):
+        for h in range(TINY.n_head):
+            outputs = torch.linalg.svd(M[h])[0][:, :r]  # (d_h, r): the output directions M_h spans
+            torch.testing.assert_close(M[h][:, 0], outputs @ outputs.T @ D[h][:, 0], atol=1e-12, rtol=0)
+        torch.testing.assert_close(M, M_faint, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("dead_scale", [1.0, 0.0])
+def test_lrkv_of_full_rank_converted_with_calibration_gives_mhas_logits(dead_scale):
+    mha = tiny_model("mha")
+    lrkv = GPT(replace(TINY, attn="lrkv", lrkv_rank=TINY.head_dim)).eval()
+    inputs = [calibration_inputs(seed, dead_scale) for seed in range(TINY.n_layer)]
+    covariances = [X.T @ X / len(X) for X in inputs]
+    lrkv.convert_from(mha, covariances)
+    idx = torch.randint(0, TINY.vocab_size, (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(lrkv(idx)[0], mha(idx)[0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("attn", ["gqa", "mqa"])
+def test_mean_pooled_heads_are_what_whitening_would_choose(attn):
+    """GQA's and MQA's mean is the same with the inputs' covariance, and optimal on the inputs:
+    moving a pooled head off it costs more on X."""
+    mha = tiny_model("mha").double()
+    inputs = [calibration_inputs(seed) for seed in range(TINY.n_layer)]
+    pooled, whitened = converted64(mha, attn, None), converted64(mha, attn, inputs)
+    assert all(torch.equal(pooled.state_dict()[k], v) for k, v in whitened.state_dict().items())
+    H, d_h = TINY.n_head, TINY.head_dim
+    generator = torch.Generator().manual_seed(0)
+    for block, source, X in zip(pooled.blocks, mha.blocks, inputs):
+        group = source.attn.W_k.weight.view(H, d_h, -1)[:H // block.attn.n_kv_head]  # the first group's heads
+        mean = block.attn.W_k.weight[:d_h]  # and the key head they pool into
+
+        def cost(M):
+            return sum(torch.linalg.matrix_norm(X @ (W - M).T) ** 2 for W in group)
+
+        for _ in range(5):
+            moved = mean + 1e-3 * torch.randn(mean.shape, generator=generator, dtype=torch.float64)
+            assert cost(moved) > cost(mean)
+
+
 @pytest.mark.parametrize("attn, overrides, message", [
     ("mla", {}, "MLA is not converted to"),
     ("mha", dict(n_layer=3), "n_layer = 2, this model 3"),

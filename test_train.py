@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from pydoc_data.topics import topics
 
 import prepare_data
@@ -22,7 +23,7 @@ REPO = Path(__file__).resolve().parent
 STEPS, STOP = 12, 5
 TINY = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, head_dim=16, n_embd=32, attn="lrkv",
             lrkv_rank=4, batch_size=4, micro_batch_size=2, max_steps=STEPS, warmup_steps=2,
-            eval_interval=STOP, eval_tokens=512, log_interval=1, device="cpu")
+            eval_interval=STOP, eval_tokens=512, log_interval=1, device="cpu", calibration_tokens=256)
 
 
 def flags(**overrides):
@@ -346,12 +347,15 @@ def test_presets_parse_and_the_gpu_preset_trains_at_reduced_size(data_dir, tmp_p
 
 def test_init_from_starts_a_new_run_at_the_checkpoints_loss(data_dir, full_run, tmp_path):
     """An identity conversion (the same variant and shapes, weights copied whole) evaluates at
-    step 0 to exactly the checkpoint's loss; a full-rank LRKV from MHA to it within fp32 rounding.
+    step 0 to exactly the checkpoint's loss; a full-rank LRKV from MHA to it within fp32 rounding,
+    from the weights alone or calibrated.
     The run then trains from there on a fresh schedule of its own."""
     source = tmp_path / "mha"
     assert train.main(flags(data_dir=data_dir, out_dir=source, attn="mha", max_steps=4, eval_interval=4)) == 0
     expected = torch.load(source / "ckpt.pt", weights_only=True)["val_loss"]
-    for name, attn in (("same", dict(attn="mha")), ("lrkv", dict(attn="lrkv", lrkv_rank=16))):
+    for name, attn in (("same", dict(attn="mha")),
+                       ("lrkv", dict(attn="lrkv", lrkv_rank=16, calibration_tokens=0)),
+                       ("whitened", dict(attn="lrkv", lrkv_rank=16))):
         out = tmp_path / name
         assert train.main(flags(data_dir=data_dir, out_dir=out, max_steps=3, eval_interval=3,
                                 init_from=source / "ckpt.pt", **attn)) == 0
@@ -369,6 +373,87 @@ def test_init_from_starts_a_new_run_at_the_checkpoints_loss(data_dir, full_run, 
     assert train.main(plain + ["--resume"]) == 2
     assert train.main(split + ["--resume"]) == 0
     assert sorted(records(out, "loss")) == [1, 2, 3] and sorted(records(out, "val_loss")) == [0, 2, 3]
+
+
+def test_calibration_records_the_normalised_inputs_each_attention_sees(data_dir):
+    """attention_input_covariances against the hidden states written out block by block: layer
+    l's C is X^T X / N of norm(x) entering block l, over 100 tokens rounded up to 4 windows."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{k: v for k, v in TINY.items() if k in GPTConfig.__dataclass_fields__}))
+    with torch.no_grad():
+        # the init's zero output projections would make every layer's input alike
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    shards = [prepare_data.read_shard(p) for p in prepare_data.shard_paths(data_dir, "train")]
+    batches = train.TrainBatches(shards, 32)
+    covariances = train.attention_input_covariances(model, batches, 100, 3, 3, "cpu")
+    windows = batches.get(3, 0, 4, 0, 1)[0]
+    with torch.no_grad():
+        # GPT normalises the embedding, then each block its input to the attention
+        x, expected = F.rms_norm(model.double().wte(windows), (TINY["n_embd"],)), []
+        for block in model.blocks:
+            X = F.rms_norm(x, (TINY["n_embd"],)).flatten(0, 1)  # (4 * 32, d)
+            expected.append(X.T @ X / len(X))
+            x = block(x, model.rope.double())
+    assert len(covariances) == len(expected) == TINY["n_layer"]
+    for C, C_expected in zip(covariances, expected):
+        assert C.dtype == torch.float64
+        torch.testing.assert_close(C, C_expected, rtol=1e-5, atol=1e-6)
+
+
+def test_calibration_changes_a_low_rank_conversion_and_zero_tokens_is_the_weights_alone(data_dir, full_run):
+    cfg = train.TrainConfig(init_from=str(full_run / "ckpt.pt"), out_dir="unused", seed=1)
+    source_args = torch.load(full_run / "ckpt.pt", weights_only=True)["model_args"]
+    model_config = GPTConfig(**{**source_args, "lrkv_rank": 2})
+    shards = [prepare_data.read_shard(p) for p in prepare_data.shard_paths(data_dir, "train")]
+    batches = train.TrainBatches(shards, 32)
+    source = train.load_checkpoint(full_run / "ckpt.pt", "cpu")[1]
+    for tokens in (0, 256):
+        cfg.calibration_tokens = tokens
+        state = train.load_init_checkpoint(cfg, model_config, batches, torch.device("cpu"))
+        expected = GPT(model_config)
+        covariances = None
+        if tokens:
+            covariances = train.attention_input_covariances(source, batches, 256, 1, 16, "cpu")
+        expected.convert_from(source, covariances)
+        assert all(torch.equal(state[k], v) for k, v in expected.state_dict().items()), tokens
+        if not tokens:
+            plain = state
+    assert not torch.equal(state["blocks.0.attn.U_k.weight"], plain["blocks.0.attn.U_k.weight"])
+
+
+def test_distill_loss_mixes_cross_entropy_with_the_kl_to_the_teachers_distribution():
+    torch.manual_seed(0)
+    config = GPTConfig(**{k: v for k, v in TINY.items() if k in GPTConfig.__dataclass_fields__})
+    teacher, student = GPT(config), GPT(config)
+    with torch.no_grad():
+        # the init's zero W_o and near-zero lm_head would leave the distributions nearly uniform
+        for p in [*teacher.parameters(), *student.parameters()]:
+            p.normal_(0, 0.3)
+    idx, targets = torch.randint(0, 256, (2, 2, 32))
+    logits, cross_entropy = student(idx, targets)
+    loss = train.distill_loss(cross_entropy, logits, teacher, idx, 0.25)
+    with torch.no_grad():
+        p_teacher = torch.softmax(teacher(idx)[0].double(), dim=-1)
+    kl = (p_teacher * (p_teacher.log() - torch.log_softmax(logits.double(), dim=-1))).sum(-1).mean()
+    assert loss.item() == pytest.approx((0.75 * cross_entropy.double() + 0.25 * kl).item(), rel=1e-6)
+    assert kl > 0.1  # the check above is not CE alone
+
+
+def test_distilling_a_copy_of_the_teacher_costs_nothing_at_first(data_dir, tmp_path, capsys):
+    """--distill=1 from an identical copy: the first step's loss, KL(p || p), is 0; a resumed job
+    must keep --distill, and no --init_from means nothing to distil."""
+    source = tmp_path / "mha"
+    assert train.main(flags(data_dir=data_dir, out_dir=source, attn="mha", max_steps=4, eval_interval=4)) == 0
+    distilled = flags(data_dir=data_dir, out_dir=tmp_path / "copy", attn="mha", max_steps=3, eval_interval=3,
+                      init_from=source / "ckpt.pt", distill=1.0)
+    assert train.main(distilled + ["--stop_after=2"]) == 0
+    loss = records(tmp_path / "copy", "loss")
+    assert loss[1] == pytest.approx(0, abs=1e-6) and loss[2] > 0  # a teacher of its own, which stays put
+    assert train.main(distilled + ["--resume", "--distill=0.5"]) == 2
+    assert train.main(distilled + ["--resume"]) == 0
+    assert train.main(flags(data_dir=data_dir, out_dir=tmp_path / "none", distill=0.5)) == 2
+    assert "--distill=0.5: must be 0 without --init_from" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("problem, message", [

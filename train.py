@@ -44,6 +44,17 @@ class TrainConfig:
     out_dir: str = ""  # where ckpt.pt and log.jsonl go; "": out/<attn>
     resume: bool = False  # continue out_dir/ckpt.pt; give the run's flags again (RESUME_FLAGS must match)
     init_from: str = ""  # a new run whose weights come from this checkpoint, attention converted to --attn
+    # --init_from converts each layer's keys and values to be closest on the attention inputs that
+    # the checkpoint's model sees in this many training tokens (attention_input_covariances); 0:
+    # closest in the weights alone. 65,536 are 32 of the paper's 2048-token sequences, ~85 tokens
+    # a dimension of the 128M model's 768-wide input (SVD-LLM calibrates Llama-7B's 4096 on
+    # 256 x 2048, ~128), for one forward pass over two of its training steps' tokens.
+    calibration_tokens: int = 65_536
+    # --init_from: the loss is (1 - distill) CE + distill KL(p_source || p_model) per token, p_source
+    # the next-token distribution of the checkpoint's model, frozen; 0: CE alone. Each step costs a
+    # forward pass more (1.3x on the demo's CPU): at equal time 0.5 with 46 steps beat CE with 60
+    # in docs/convert.md.
+    distill: float = 0.0
     # batch and budget: the paper's 16 sequences of 2048 tokens, 32,768 tokens a step
     batch_size: int = 16  # sequences per optimizer step, over all devices together
     micro_batch_size: int = 16  # most sequences a device holds at once; gradient accumulation fills the step
@@ -79,14 +90,18 @@ class TrainConfig:
                       "log_interval"):
             if getattr(self, field) < 1:
                 bad(field, "a positive integer")
-        for field in ("stop_after", "warmup_steps", "seed", "muon_lr", "adamw_lr", "embedding_lr",
-                      "unembedding_lr", "weight_decay", "grad_clip"):
+        for field in ("stop_after", "calibration_tokens", "warmup_steps", "seed", "muon_lr", "adamw_lr",
+                      "embedding_lr", "unembedding_lr", "weight_decay", "grad_clip"):
             if not getattr(self, field) >= 0:  # `not >=` also refuses nan
                 bad(field, "zero or more")
         for field, allowed in (("optimizer", ("muon", "adamw")), ("device", ("auto", "cuda", "mps", "cpu")),
                                ("dtype", ("auto", "bfloat16", "float32"))):
             if getattr(self, field) not in allowed:
                 bad(field, "one of " + ", ".join(allowed))
+        if not 0 <= self.distill <= 1:
+            bad("distill", "between 0 and 1")
+        if self.distill and not self.init_from:
+            bad("distill", "0 without --init_from, whose model it distils")
 
 
 class ConfigError(Exception):
@@ -115,7 +130,10 @@ def main(argv=None):
         device = pick_device(cfg.device, local_rank)
         resumed = load_resume_checkpoint(cfg, model_config) if cfg.resume else None
         # --init_from seeds a run's first job; its --resume jobs go on from their own checkpoint
-        initial = load_init_checkpoint(cfg, model_config) if cfg.init_from and not cfg.resume else None
+        initial = (load_init_checkpoint(cfg, model_config, data[1], device)
+                   if cfg.init_from and not cfg.resume else None)
+        # the model that --distill distils, in every job of the run
+        teacher = load_checkpoint(cfg.init_from, device)[1].eval() if cfg.distill else None
     except ConfigError as e:
         if rank == 0:
             print(f"train.py: {e}", file=sys.stderr)
@@ -124,10 +142,12 @@ def main(argv=None):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world_size == 1:
-        return train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, world_size)
+        return train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, world_size,
+                     teacher)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
-        return train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, world_size)
+        return train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, world_size,
+                     teacher)
     finally:
         # DDP sits in reference cycles, which only the garbage collector frees: free it now, while
         # the process group and the interpreter are whole (at exit, gloo's threads can abort the process)
@@ -135,9 +155,10 @@ def main(argv=None):
         dist.destroy_process_group()
 
 
-def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, world_size):
+def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, world_size, teacher=None):
     """Train up to step min(max_steps, stop_after) from load_checkpoint's (ckpt, model) to resume,
-    or from the weights of load_init_checkpoint, or (both None) from the start; the exit code."""
+    or from the weights of load_init_checkpoint, or (both None) from the start, distilling teacher
+    (--distill) if given; the exit code."""
     meta, batches, val_tokens, bytes_per_token = data
     is_main, ddp = rank == 0, world_size > 1
     native, why = native_dtype(device)
@@ -201,7 +222,10 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
             # DDP averages the gradients over processes in the backward of the last micro step only
             with train_model.no_sync() if ddp and i < accum_steps - 1 else nullcontext():
                 with autocast:
-                    _, micro_loss = train_model(x[micro].to(device), y[micro].to(device))
+                    logits, micro_loss = train_model(x[micro].to(device), y[micro].to(device))
+                    if teacher is not None:
+                        micro_loss = distill_loss(micro_loss, logits, teacher, x[micro].to(device),
+                                                  cfg.distill)
                 (micro_loss / accum_steps).backward()
             loss += micro_loss.detach() / accum_steps
         if ddp:
@@ -246,6 +270,16 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
                                                            evals, meta, device))
             t0, timed_steps = time.perf_counter(), 0
     return 0
+
+
+def distill_loss(cross_entropy, logits, teacher, idx, weight):
+    """(1 - weight) CE + weight KL(p_teacher || p_model), the KL a mean over the tokens, at
+    temperature 1: besides the next token, the teacher's whole distribution over it as a target.
+    The logged training loss is this."""
+    with torch.no_grad():
+        target = F.log_softmax(teacher(idx)[0], dim=-1).flatten(0, 1)
+    kl = F.kl_div(F.log_softmax(logits, dim=-1).flatten(0, 1), target, log_target=True, reduction="batchmean")
+    return (1 - weight) * cross_entropy + weight * kl
 
 
 def pick_device(name, local_rank):
@@ -688,7 +722,7 @@ def restore(checkpoint, model, optimizers, device):
 # checkpoints it writes would describe that one). Data, device, dtype, compilation, micro-batching,
 # the evaluation and log cadence and stop_after may change from one job of a run to the next.
 RESUME_FLAGS = ("batch_size", "max_steps", "warmup_steps", "optimizer", "muon_lr", "adamw_lr", "embedding_lr",
-                "unembedding_lr", "weight_decay", "grad_clip", "eval_tokens", "seed", "init_from")
+                "unembedding_lr", "weight_decay", "grad_clip", "eval_tokens", "seed", "init_from", "distill")
 
 
 def load_resume_checkpoint(cfg, model_config):
@@ -710,20 +744,53 @@ def load_resume_checkpoint(cfg, model_config):
     return ckpt, model
 
 
-def load_init_checkpoint(cfg, model_config):
+def load_init_checkpoint(cfg, model_config, batches, device):
     """The state_dict of the model the flags describe, made from the --init_from checkpoint's
-    weights: copied where the variant and every shape agree, else through GPT.convert_from."""
+    weights: copied where the variant and every shape agree, else through GPT.convert_from, each
+    layer weighed by its attention inputs in --calibration_tokens tokens of batches (0: the
+    weights alone), which the checkpoint's model reads on device."""
     path = Path(cfg.init_from)
     if path.exists() and path.resolve() == (Path(cfg.out_dir) / "ckpt.pt").resolve():
         raise ConfigError(f"--init_from={path} is this run's own checkpoint, which the run would overwrite: "
                           "give the run its own --out_dir")
-    _, source = load_checkpoint(path)
+    _, source = load_checkpoint(path, device if cfg.calibration_tokens else "meta")
     model = GPT(model_config)
     try:
-        model.convert_from(source)
+        covariances = None
+        if cfg.calibration_tokens:
+            covariances = attention_input_covariances(source, batches, cfg.calibration_tokens, cfg.seed,
+                                                      cfg.micro_batch_size, device)
+        model.convert_from(source, covariances)
     except ValueError as e:
         raise ConfigError(f"--init_from={path}: {e}") from None
     return model.state_dict()
+
+
+@torch.no_grad()
+def attention_input_covariances(model, batches, n_tokens, seed, batch_size, device):
+    """Per layer, C = X^T X / N (d, d) in float64 for the N inputs X (N, d) that model's attention
+    sees there (norm(x), Block.forward) when it reads n_tokens training tokens: whole windows,
+    drawn as step 0 of a run with seed draws its batch (TrainBatches), batch_size at a time on
+    device. Uncentred, as the key and value projections have no bias: an error E of one costs
+    E||E x||^2 = ||E C^(1/2)||_F^2 on these inputs, what the conversion minimises."""
+    T = min(batches.block_size, model.config.block_size)  # the model may have been trained on shorter windows
+    windows = batches.get(seed, 0, -(-n_tokens // T), 0, 1)[0][:, :T]
+    sums = [torch.zeros(model.config.n_embd, model.config.n_embd, dtype=torch.float64) for _ in model.blocks]
+
+    def record(layer):
+        def hook(attn, args):
+            x = args[0].flatten(0, 1).float()  # (B T, d)
+            sums[layer] += (x.T @ x).cpu().double()
+        return hook
+
+    hooks = [block.attn.register_forward_pre_hook(record(i)) for i, block in enumerate(model.blocks)]
+    try:
+        for chunk in windows.split(batch_size):
+            model(chunk.to(device))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [total / windows.numel() for total in sums]
 
 
 # The log's format: log appends one record a line to out_dir/log.jsonl, read_log reads them back.
