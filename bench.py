@@ -397,7 +397,7 @@ def main(argv=None):
                         help="comma-separated variants, measured in this order after MHA, which every row is "
                              "relative to (default: all)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                        help="training autocast, Newton-Schulz and decoding; auto: train.native_dtype's choice")
+                        help="training autocast, Newton-Schulz and decoding; auto: train.native_dtype's")
     parser.add_argument("--out", default="out/bench.json")
     args = parser.parse_args(argv)
     preset, device = PRESETS[args.preset], torch.device(args.device)

@@ -724,3 +724,9 @@ def test_what_cannot_convert_is_refused(attn, overrides, message):
 def test_mla_gives_no_per_head_projections():
     with pytest.raises(ValueError, match="--attn=mla gives no per-head key and value projections"):
         converted(tiny_model("mla"), "mha")
+
+
+def test_no_line_of_the_repository_is_longer_than_110_characters():
+    long = [f"{path.name}:{i}" for path in sorted(Path(__file__).parent.glob("*.py"))
+            for i, line in enumerate(path.read_text().splitlines(), 1) if len(line) > 110]
+    assert not long, f"lines over 110 characters: {', '.join(long)}"
