@@ -1,6 +1,6 @@
 # The CPU demo: the 128M model's shape scaled down to 6 heads of 16 dims (n_embd 96) and 4 layers,
 # trained on the byte-level Python docs (`python prepare_data.py --dataset=pydocs --tokenizer=byte`)
-# for 600 steps of 8 x 128 tokens, about a minute a variant on one core (`make demo` trains two at
+# for 600 steps of 8 x 128 tokens, about 50 s a variant on one core (`make demo` trains two at
 # a time). 600 steps is what the paper's effect needs at this size: at 180 steps every variant's
 # heads were still at their random start (effective rank 99-100% of H); at 600, MQA's first layer
 # has collapsed to about 4 of 6 while MHA's stays near 6.
