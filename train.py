@@ -148,28 +148,17 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
     """Train up to step min(max_steps, stop_after) from load_checkpoint's (ckpt, model) to resume,
     or from the weights of load_init_checkpoint, or (both None) from the start; the exit code."""
     meta, batches, val_tokens, bytes_per_token = data
-    is_main, ddp = rank == 0, world_size > 1 and not cfg.fsdp
-    native, why = native_dtype(device)
-    dtype = cfg.dtype if cfg.dtype != "auto" else str(native).removeprefix("torch.")
+    is_main = rank == 0
+    dtype, why = run_dtype(cfg, device), native_dtype(device)[1]
     compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for the matmuls autocast leaves in fp32
     torch.manual_seed(cfg.seed)
-    # every rank draws the whole model, so that a sharded run starts where one process would
-    raw_model = GPT(model_config).to(device)
-    if initial is not None:
-        raw_model.load_state_dict(initial)
-    if cfg.checkpoint_activations:
-        checkpoint_blocks(raw_model)
-    if cfg.fsdp:
-        shard(raw_model, device, world_size, dtype, compile)
-    optimizers = configure_optimizers(raw_model, cfg)
+    raw_model, model, train_model, optimizers = build(model_config, cfg, device, world_size, dtype, compile, initial)
     step, evals = 0, dict.fromkeys(EVALS)
     if resumed is not None:
         step, evals = restore(resumed, raw_model, optimizers, device)
-    model = torch.compile(raw_model) if compile and not cfg.fsdp else raw_model
-    train_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if ddp else model
     bytes_per_token = bytes_per_token.to(device)
 
     T = model_config.block_size
@@ -185,7 +174,7 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
         ns = f", Newton-Schulz in {PRECISION_NAMES[optimizers[0].ns_dtype]}" if cfg.optimizer == "muon" else ""
         print(f"precision: {'bf16 autocast' if dtype == 'bfloat16' else 'fp32'}{ns}: {why}", flush=True)
         n_params = raw_model.get_num_params()
-        parallel = "FSDP" if cfg.fsdp else "DDP" if ddp else "one process"
+        parallel = "FSDP" if cfg.fsdp else "DDP" if isinstance(train_model, DDP) else "one process"
         recompute = ", activation checkpointing" if cfg.checkpoint_activations else ""
         print(f"{model_config.attn}: {n_params / 1e6:.1f}M parameters, "
               f"{raw_model.kv_cache_elements_per_token()} KV cache elements per token per layer | "
@@ -209,16 +198,7 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
             for group in opt.param_groups:
                 group["lr"] = group["initial_lr"] * lr_mult
         x, y = batches.get(cfg.seed, step, cfg.batch_size, rank, world_size)
-        loss = torch.zeros((), device=device)
-        for i in range(accum_steps):
-            micro = slice(i * micro_batch, (i + 1) * micro_batch)
-            # DDP averages the gradients over processes in the backward of the last micro step only;
-            # FSDP reduce-scatters them in every one, as holding whole gradients between would undo its saving
-            with train_model.no_sync() if ddp and i < accum_steps - 1 else nullcontext():
-                with autocast:
-                    _, micro_loss = train_model(x[micro].to(device), y[micro].to(device))
-                (micro_loss / accum_steps).backward()
-            loss += micro_loss.detach() / accum_steps
+        loss = backward(train_model, x, y, micro_batch, autocast, device)
         if world_size > 1:
             dist.all_reduce(loss)
             loss /= world_size
@@ -261,6 +241,49 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
                 save_checkpoint(ckpt_path, checkpoint)
             t0, timed_steps = time.perf_counter(), 0
     return 0
+
+
+def build(model_config, cfg, device, world_size, dtype, compile, initial=None):
+    """What a run trains, before a checkpoint is restored into it: (raw_model, model, train_model,
+    optimizers), raw_model the GPT (its weights from initial, a state_dict, if given), model what
+    evaluates (raw_model compiled or not), train_model what trains (model, in DDP under torchrun
+    without --fsdp)."""
+    # every rank draws the whole model, so that a sharded run starts where one process would
+    raw_model = GPT(model_config).to(device)
+    if initial is not None:
+        raw_model.load_state_dict(initial)
+    if cfg.checkpoint_activations:
+        checkpoint_blocks(raw_model)
+    if cfg.fsdp:
+        shard(raw_model, device, world_size, dtype, compile)
+    optimizers = configure_optimizers(raw_model, cfg)
+    model = torch.compile(raw_model) if compile and not cfg.fsdp else raw_model
+    ddp = world_size > 1 and not cfg.fsdp
+    train_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if ddp else model
+    return raw_model, model, train_model, optimizers
+
+
+def backward(train_model, x, y, micro_batch, autocast, device):
+    """Forward and backward over x, y (this rank's share of a step) in micro-batches, accumulating
+    the gradients of their mean loss; that loss, detached."""
+    accum_steps = len(x) // micro_batch
+    loss = torch.zeros((), device=device)
+    for i in range(accum_steps):
+        micro = slice(i * micro_batch, (i + 1) * micro_batch)
+        # DDP averages the gradients over processes in the backward of the last micro step only;
+        # FSDP reduce-scatters them in every one, as holding whole gradients between would undo its saving
+        last = i == accum_steps - 1
+        with train_model.no_sync() if isinstance(train_model, DDP) and not last else nullcontext():
+            with autocast:
+                _, micro_loss = train_model(x[micro].to(device), y[micro].to(device))
+            (micro_loss / accum_steps).backward()
+        loss += micro_loss.detach() / accum_steps
+    return loss
+
+
+def run_dtype(cfg, device):
+    """The run's --dtype, "bfloat16" (autocast) or "float32"; auto: native_dtype's for the device."""
+    return cfg.dtype if cfg.dtype != "auto" else str(native_dtype(device)[0]).removeprefix("torch.")
 
 
 def pick_device(name, local_rank):
