@@ -275,7 +275,7 @@ def backward(train_model, x, y, micro_batch, autocast, device):
         last = i == accum_steps - 1
         with train_model.no_sync() if isinstance(train_model, DDP) and not last else nullcontext():
             with autocast:
-                _, micro_loss = train_model(x[micro].to(device), y[micro].to(device))
+                micro_loss = train_model(x[micro].to(device), y[micro].to(device))[1]  # logits freed before backward
             (micro_loss / accum_steps).backward()
         loss += micro_loss.detach() / accum_steps
     return loss
