@@ -132,7 +132,9 @@ def main(argv=None):
 
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if world_size == 1:
+    # a caller may hold the process group already (test_fsdp.py runs several jobs in one torchrun
+    # launch): a group made anew under torchrun's store would meet the keys the last one left there
+    if world_size == 1 or dist.is_initialized():
         return train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, world_size)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
