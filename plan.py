@@ -27,7 +27,8 @@ Memory per GPU, as eager PyTorch allocates it (DDP with --gpus=1 is one process)
 The peak: weights, optimizer states and DDP's bucket copy, plus the larger of the forward and
 backward (gradients, activations, gathered blocks; where a step has one micro-batch, simulated
 with the gradients appearing as activations are freed) and the optimizer step (gradients and its
-temporaries). The largest micro-batch that fits divides the GPU's share of the batch, as train.py
+temporaries); under FSDP at least the whole fp32 model, which every rank builds before sharding
+it. The largest micro-batch that fits divides the GPU's share of the batch, as train.py
 requires. torch.compile (on CUDA by default) allocates less: docs/scaling.md compares the plan
 with the H200 record and with peaks measured on a CPU.
 
@@ -224,6 +225,8 @@ def memory(config, cfg, gpus, micro_batch, fsdp, checkpointed, machine):
         forward_backward = activation_bytes(config, micro_batch, weight_dtype, autocast, checkpointed, keep_grads=True)
     part["peak"] = (part["weights"] + part["optimizer"] + bucket
                     + max(forward_backward, grads + part["step"]))
+    if fsdp:  # every rank draws the whole model in fp32 before it shards it (train.build)
+        part["peak"] = max(part["peak"], 4 * n_params)
     return part
 
 
