@@ -45,10 +45,10 @@ RUNS = [
     ("then", ["--resume"]),  # DDP again
 ]
 # Two processes sum a step's gradients in another order than one (each rank's half, then the
-# reduce-scatter or all-reduce), so fp32 rounding makes the losses differ: by one ulp of the loss
-# (4.8e-7 at 5.5) in the first steps here, growing as training amplifies it (test_train's DDP run
-# reaches 1e-5 to 1e-4 after 12 steps; the demo's FSDP run 1e-4 after 20). 5e-6 is ten ulps after
-# five steps, and a thousandth of what a step changes the loss by. Every run here computes
+# reduce-scatter or all-reduce), so fp32 rounding makes the losses differ: by at most two ulps of
+# the loss (4.8e-7 at 5.5) in these five steps, a difference that training amplifies later (the
+# demo's runs differ by 1e-4 after 20 steps). 5e-6 is ten ulps, and a thousandth of what a step
+# changes the loss by; a wrong gradient or update misses it by far. Every run here computes
 # Newton-Schulz in fp32 (fp32_newton_schulz), as on a CPU without bf16: in bf16 a difference in
 # the last bit of U can round an entry of the update to another bf16 value, 0.4% of a step.
 TOLERANCE = 5e-6

@@ -237,10 +237,10 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
             evals = dict(val_loss=val_loss, val_bpb=val_bpb,
                          best_val_loss=min(val_loss, best[0]), best_val_bpb=min(val_bpb, best[1]))
             # every rank: under FSDP, gathering the shards to rank 0 is a collective
-            checkpoint = checkpoint_dict(raw_model, model_config, cfg, optimizers, step, evals, meta, device)
+            saved = checkpoint_dict(raw_model, model_config, cfg, optimizers, step, evals, meta, device)
             if is_main:
                 log_eval(out_dir, step, val_loss, val_bpb)
-                save_checkpoint(ckpt_path, checkpoint)
+                save_checkpoint(ckpt_path, saved)
             t0, timed_steps = time.perf_counter(), 0
     return 0
 
