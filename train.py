@@ -4,6 +4,7 @@ Train one attention variant of model.py's GPT on token shards written by prepare
     python train.py --attn=mqa                                  # the paper's 128M recipe (section 2)
     python train.py config/demo.py --attn=lrkv --lrkv_rank=4    # a preset file, then flags
     torchrun --standalone --nproc_per_node=8 train.py --attn=lrkv
+    torchrun --standalone --nproc_per_node=8 train.py config/6.3b.py --attn=lrkv --fsdp   # sharded (docs/scaling.md)
     python train.py --attn=mqa --resume                         # continue out_dir/ckpt.pt
     python train.py config/demo.py config/convert.py --init_from=out/demo/mha/ckpt.pt --attn=lrkv
 
@@ -15,6 +16,7 @@ saves out_dir/ckpt.pt after every evaluation.
 
 import dataclasses
 import difflib
+import functools
 import gc
 import json
 import math
@@ -31,7 +33,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
 
 from model import GPT, GPTConfig
 from prepare_data import TOKENIZERS, atomic_open, load_meta, read_shard, shard_paths, token_bytes
@@ -81,6 +87,8 @@ class TrainConfig:
     device: str = "auto"  # auto: cuda, then mps, then cpu
     dtype: str = "auto"  # bfloat16 (autocast) or float32; auto: native_dtype's choice for the device
     compile: bool | None = None  # torch.compile; None: on CUDA only
+    fsdp: bool = False  # under torchrun, shard weights, gradients and optimizer states over the processes (FSDP2)
+    checkpoint_activations: bool = False  # keep each block's input only and recompute the block in the backward
 
     def __post_init__(self):
         def bad(field, allowed):
@@ -126,6 +134,13 @@ def main(argv=None):
             per_process = cfg.batch_size // world_size
             raise ConfigError(f"--micro_batch_size={micro_batch} does not divide the {per_process} sequences "
                               f"each of {world_size} processes takes a step")
+        if cfg.fsdp and world_size == 1:
+            raise ConfigError("--fsdp shards the model over torchrun's processes: run it under torchrun")
+        # every FSDP forward all-gathers weights, which all ranks must join: each evaluates as many windows
+        windows = cfg.eval_tokens // model_config.block_size
+        if cfg.fsdp and windows % world_size:
+            raise ConfigError(f"--fsdp: the {windows} validation windows of --eval_tokens={cfg.eval_tokens} "
+                              f"do not split evenly over {world_size} processes")
         data = load_data(cfg, model_config)
         device = pick_device(cfg.device, local_rank)
         resumed = load_resume_checkpoint(cfg, model_config) if cfg.resume else None
@@ -141,7 +156,9 @@ def main(argv=None):
 
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if world_size == 1:
+    # a caller may hold the process group already (test_fsdp.py runs several jobs in one torchrun
+    # launch): a group made anew under torchrun's store would meet the keys the last one left there
+    if world_size == 1 or dist.is_initialized():
         return train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, world_size,
                      teacher)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -160,23 +177,17 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
     or from the weights of load_init_checkpoint, or (both None) from the start, distilling teacher
     (--distill) if given; the exit code."""
     meta, batches, val_tokens, bytes_per_token = data
-    is_main, ddp = rank == 0, world_size > 1
-    native, why = native_dtype(device)
-    dtype = cfg.dtype if cfg.dtype != "auto" else str(native).removeprefix("torch.")
+    is_main = rank == 0
+    dtype, why = run_dtype(cfg, device), native_dtype(device)[1]
     compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for the matmuls autocast leaves in fp32
     torch.manual_seed(cfg.seed)
-    raw_model = GPT(model_config).to(device)
-    if initial is not None:
-        raw_model.load_state_dict(initial)
-    optimizers = configure_optimizers(raw_model, cfg)
+    raw_model, model, train_model, optimizers = build(model_config, cfg, device, world_size, dtype, compile, initial)
     step, evals = 0, dict.fromkeys(EVALS)
     if resumed is not None:
         step, evals = restore(resumed, raw_model, optimizers, device)
-    model = torch.compile(raw_model) if compile else raw_model
-    train_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if ddp else model
     bytes_per_token = bytes_per_token.to(device)
 
     T = model_config.block_size
@@ -193,9 +204,11 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
         ns = f", Newton-Schulz in {PRECISION_NAMES[optimizers[0].ns_dtype]}" if muon else ""
         print(f"precision: {'bf16 autocast' if dtype == 'bfloat16' else 'fp32'}{ns}: {why}", flush=True)
         n_params = raw_model.get_num_params()
+        parallel = "FSDP" if cfg.fsdp else "DDP" if isinstance(train_model, DDP) else "one process"
+        recompute = ", activation checkpointing" if cfg.checkpoint_activations else ""
         print(f"{model_config.attn}: {n_params / 1e6:.1f}M parameters, "
               f"{raw_model.kv_cache_elements_per_token()} KV cache elements per token per layer | "
-              f"{world_size} x {device.type}, {dtype}, compile {compile} | "
+              f"{world_size} x {device.type} ({parallel}{recompute}), {dtype}, compile {compile} | "
               f"{cfg.batch_size} x {T} = {tokens_per_step:,} tokens a step in {accum_steps} micro step(s) of "
               f"{micro_batch} per process | steps {step} -> {last_step} of {cfg.max_steps}", flush=True)
         if device.type == "cpu" and n_params > 100e6:
@@ -216,19 +229,8 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
             for group in opt.param_groups:
                 group["lr"] = group["initial_lr"] * lr_mult
         x, y = batches.get(cfg.seed, step, cfg.batch_size, rank, world_size)
-        loss = torch.zeros((), device=device)
-        for i in range(accum_steps):
-            micro = slice(i * micro_batch, (i + 1) * micro_batch)
-            # DDP averages the gradients over processes in the backward of the last micro step only
-            with train_model.no_sync() if ddp and i < accum_steps - 1 else nullcontext():
-                with autocast:
-                    logits, micro_loss = train_model(x[micro].to(device), y[micro].to(device))
-                    if teacher is not None:
-                        micro_loss = distill_loss(micro_loss, logits, teacher, x[micro].to(device),
-                                                  cfg.distill)
-                (micro_loss / accum_steps).backward()
-            loss += micro_loss.detach() / accum_steps
-        if ddp:
+        loss = backward(train_model, x, y, micro_batch, autocast, device, teacher, cfg.distill)
+        if world_size > 1:
             dist.all_reduce(loss)
             loss /= world_size
         loss = loss.item()  # the same on every rank, so all of them stop together
@@ -264,12 +266,54 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
             best = [math.inf if evals[k] is None else evals[k] for k in ("best_val_loss", "best_val_bpb")]
             evals = dict(val_loss=val_loss, val_bpb=val_bpb,
                          best_val_loss=min(val_loss, best[0]), best_val_bpb=min(val_bpb, best[1]))
+            # every rank: under FSDP, gathering the shards to rank 0 is a collective
+            saved = checkpoint_dict(raw_model, model_config, cfg, optimizers, step, evals, meta, device)
             if is_main:
                 log_eval(out_dir, step, val_loss, val_bpb)
-                save_checkpoint(ckpt_path, checkpoint_dict(raw_model, model_config, cfg, optimizers, step,
-                                                           evals, meta, device))
+                save_checkpoint(ckpt_path, saved)
             t0, timed_steps = time.perf_counter(), 0
     return 0
+
+
+def build(model_config, cfg, device, world_size, dtype, compile, initial=None):
+    """What a run trains, before a checkpoint is restored into it: (raw_model, model, train_model,
+    optimizers), raw_model the GPT (its weights from initial, a state_dict, if given), model what
+    evaluates (raw_model compiled or not), train_model what trains (model, in DDP under torchrun
+    without --fsdp)."""
+    # every rank draws the whole model, so that a sharded run starts where one process would
+    raw_model = GPT(model_config).to(device)
+    if initial is not None:
+        raw_model.load_state_dict(initial)
+    if cfg.checkpoint_activations:
+        checkpoint_blocks(raw_model)
+    if cfg.fsdp:
+        shard(raw_model, device, world_size, dtype, compile)
+    optimizers = configure_optimizers(raw_model, cfg)
+    model = torch.compile(raw_model) if compile and not cfg.fsdp else raw_model
+    ddp = world_size > 1 and not cfg.fsdp
+    train_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if ddp else model
+    return raw_model, model, train_model, optimizers
+
+
+def backward(train_model, x, y, micro_batch, autocast, device, teacher=None, distill=0.0):
+    """Forward and backward over x, y (this rank's share of a step) in micro-batches, accumulating
+    the gradients of their mean loss (distill_loss's with a teacher); that loss, detached."""
+    accum_steps = len(x) // micro_batch
+    loss = torch.zeros((), device=device)
+    for i in range(accum_steps):
+        micro = slice(i * micro_batch, (i + 1) * micro_batch)
+        # DDP averages the gradients over processes in the backward of the last micro step only;
+        # FSDP reduce-scatters them in every one, as holding whole gradients between would undo its saving
+        last = i == accum_steps - 1
+        with train_model.no_sync() if isinstance(train_model, DDP) and not last else nullcontext():
+            with autocast:
+                logits, micro_loss = train_model(x[micro].to(device), y[micro].to(device))
+                if teacher is not None:
+                    micro_loss = distill_loss(micro_loss, logits, teacher, x[micro].to(device), distill)
+                del logits  # freed before the backward, which does not need them
+            (micro_loss / accum_steps).backward()
+        loss += micro_loss.detach() / accum_steps
+    return loss
 
 
 def distill_loss(cross_entropy, logits, teacher, idx, weight):
@@ -282,6 +326,11 @@ def distill_loss(cross_entropy, logits, teacher, idx, weight):
     return (1 - weight) * cross_entropy + weight * kl
 
 
+def run_dtype(cfg, device):
+    """The run's --dtype, "bfloat16" (autocast) or "float32"; auto: native_dtype's for the device."""
+    return cfg.dtype if cfg.dtype != "auto" else str(native_dtype(device)[0]).removeprefix("torch.")
+
+
 def pick_device(name, local_rank):
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
@@ -289,6 +338,36 @@ def pick_device(name, local_rank):
             or name == "mps" and not torch.backends.mps.is_available()):
         raise ConfigError(f"--device={name}: not available on this machine")
     return torch.device("cuda", local_rank) if name == "cuda" else torch.device(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Beyond one GPU's memory: sharding (FSDP2) and recomputation
+
+def shard(model, device, world_size, dtype, compile):
+    """FSDP2 over all ranks: fully_shard each block, then the model (its embedding and unembedding),
+    every parameter cut along dim 0. Weights, gradients and optimizer states stay fp32, a
+    1 / world_size share of each on each rank; a block's weights are gathered whole, in the run's
+    dtype, just before its forward and again before its backward, and freed after; gradients are
+    reduce-scattered in fp32. Autocast stays on as under DDP, and inputs are not cast to the
+    weights' dtype, so that the residual stream stays fp32 and a step computes what a DDP step
+    does. Compiled, each block is compiled on its own, the hooks that gather and free weights
+    outside its graph (torchtitan's order: compile, then shard)."""
+    mesh = init_device_mesh(device.type, (world_size,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if dtype == "bfloat16" else None,
+                                  reduce_dtype=torch.float32, cast_forward_inputs=False)
+    for block in model.blocks:
+        if compile:
+            block.compile()
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def checkpoint_blocks(model):
+    """Keep only each block's input from the forward and recompute the block in the backward
+    (torch.utils.checkpoint, non-reentrant): one block's activations alive at a time instead of
+    every block's, for one more forward (about 8 FLOPs per weight and token instead of 6)."""
+    for block in model.blocks:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -485,12 +564,18 @@ class Muon(torch.optim.Optimizer):
         O <- NS5(U)                the quintic Newton-Schulz iteration below, in ns_dtype
         W <- (1 - lr wd) W - lr sqrt(max(1, rows / cols)) O
 
-    Under torch.distributed every rank holds the same gradients (DDP averaged them), each rank
-    orthogonalises a contiguous share of each shape group and all_gather hands every rank all the
-    new weights, so that the Newton-Schulz work divides among the ranks. Every rank still moves
-    every momentum buffer (elementwise, cheap next to Newton-Schulz), so that rank 0's state_dict
-    holds the whole state and a resumed run goes on exactly. The state is torch.optim.Muon's, one
-    momentum_buffer per matrix, so its checkpoints resume here.
+    Under torch.distributed each rank orthogonalises a contiguous share of each shape group, so
+    that the Newton-Schulz work divides among the ranks, and each matrix is orthogonalised whole:
+    - DDP: every rank holds the same whole gradients (DDP averaged them) and moves every momentum
+      buffer (elementwise, cheap next to Newton-Schulz); all_gather hands every rank the new
+      weights of the others' shares.
+    - FSDP: every rank holds a shard (rows, dim 0) of each matrix, its gradient and its momentum
+      buffer, all DTensors, and moves its rows of every buffer. An all-to-all gathers each matrix's
+      U whole on the rank that orthogonalises it, and a second hands every rank its rows of each
+      O (sharded_step).
+    Either way the whole state is every matrix's momentum_buffer, torch.optim.Muon's state, whole
+    in rank 0's state_dict under DDP and once checkpoint_dict gathers its shards under FSDP, so that
+    one checkpoint resumes under one process, DDP or FSDP alike (and torch.optim.Muon's here).
 
     ns_dtype: what Newton-Schulz runs in; None: native_dtype's choice for the parameters' device.
     torch.optim.Muon runs it in bf16 everywhere; the iteration only needs the update's direction
@@ -506,7 +591,9 @@ class Muon(torch.optim.Optimizer):
         distributed = dist.is_initialized()
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
         # eager on a CPU, where compiling (a C++ compiler, tens of seconds) costs more than it saves
-        self.update = torch.compile(muon_update) if params[0].is_cuda else muon_update
+        compiled = params[0].is_cuda
+        self.update = torch.compile(muon_update) if compiled else muon_update
+        self.orthogonalise = torch.compile(orthogonalise) if compiled else orthogonalise
 
     @torch.no_grad()
     def step(self):
@@ -516,44 +603,88 @@ class Muon(torch.optim.Optimizer):
                 if p.grad is not None:
                     shapes.setdefault(p.shape, []).append(p)
             for shape, params in shapes.items():
-                grads = [p.grad for p in params]
                 for p in params:
                     if "momentum_buffer" not in self.state[p]:
                         self.state[p]["momentum_buffer"] = torch.zeros_like(p)
                 bufs = [self.state[p]["momentum_buffer"] for p in params]
-                torch._foreach_lerp_(bufs, grads, 1 - group["momentum"])
                 # matrices a rank orthogonalises; the last may have fewer
                 n = -(-len(params) // self.world_size)
-                mine = slice(self.rank * n, (self.rank + 1) * n)
                 # lr as a 0-d tensor: a float that the schedule moves every step would recompile the graph
                 lr = torch.tensor(group["lr"], dtype=torch.float64)
-                new = (self.update(params[mine], grads[mine], bufs[mine], lr, group["weight_decay"],
-                                   group["momentum"], group["nesterov"], self.ns_dtype)
-                       if params[mine] else params[0].new_empty(0, *shape))
-                if self.world_size > 1:
-                    padded = torch.cat([new, new.new_zeros(n - len(new), *shape)])
-                    new = new.new_empty(self.world_size * n, *shape)
-                    dist.all_gather_into_tensor(new, padded)
-                torch._foreach_copy_(params, list(new[:len(params)]))
+                hyper = (lr, group["weight_decay"], group["momentum"], group["nesterov"])
+                if isinstance(params[0], DTensor):
+                    self.sharded_step(params, bufs, n, *hyper)
+                else:
+                    self.replicated_step(params, bufs, n, *hyper)
+
+    def replicated_step(self, params, bufs, n, lr, weight_decay, momentum, nesterov):
+        """One shape group's step from whole gradients, the same on every rank (one process, DDP)."""
+        shape, grads = params[0].shape, [p.grad for p in params]
+        torch._foreach_lerp_(bufs, grads, 1 - momentum)
+        mine = slice(self.rank * n, (self.rank + 1) * n)
+        new = (self.update(params[mine], grads[mine], bufs[mine], lr, weight_decay, momentum, nesterov,
+                           self.ns_dtype) if params[mine] else params[0].new_empty(0, *shape))
+        if self.world_size > 1:
+            padded = torch.cat([new, new.new_zeros(n - len(new), *shape)])
+            new = new.new_empty(self.world_size * n, *shape)
+            dist.all_gather_into_tensor(new, padded)
+        torch._foreach_copy_(params, list(new[:len(params)]))
+
+    def sharded_step(self, params, bufs, n, lr, weight_decay, momentum, nesterov):
+        """One shape group's step from FSDP's shards. fully_shard cuts dim 0 as torch.chunk does:
+        rank i holds rows [i c, (i + 1) c) of each (rows, cols) matrix, c = ceil(rows / ranks),
+        fewer (or none) on the last ranks."""
+        (rows, cols), ranks = params[0].shape, self.world_size
+        c = -(-rows // ranks)
+        W, G, B = ([t.to_local() for t in ts] for ts in (params, [p.grad for p in params], bufs))
+        torch._foreach_lerp_(B, G, 1 - momentum)
+        U = torch._foreach_lerp(G, B, momentum) if nesterov else B  # this rank's rows of every U
+        # send[i, k]: this rank's rows of the k-th matrix that rank i orthogonalises, zero-padded to c
+        send = U[0].new_zeros(ranks, n, c, cols)
+        for j, u in enumerate(U):
+            send[j // n, j % n, :len(u)] = u
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send)
+        # received[i, k]: rank i's rows of this rank's k-th matrix; stacked, the matrices whole
+        mine = len(params[self.rank * n:(self.rank + 1) * n])
+        whole = received.transpose(0, 1).reshape(n, ranks * c, cols)[:mine, :rows]
+        O = received.new_zeros(n, ranks * c, cols)
+        if mine:
+            O[:mine, :rows] = self.orthogonalise(whole, self.ns_dtype)
+        dist.all_to_all_single(received, O.view(n, ranks, c, cols).transpose(0, 1).contiguous())
+        # received[i, k]: this rank's rows of the O of rank i's k-th matrix, matrix i n + k
+        O = [received[j // n, j % n, :len(w)] for j, w in enumerate(W)]
+        new = descend(torch.stack(W), torch.stack(O), lr, weight_decay, (rows, cols))
+        torch._foreach_copy_(W, list(new))
 
 
-def muon_update(params, grads, bufs, lr, weight_decay, momentum, nesterov, ns_dtype):
-    """Muon's new values for matrices of one shape, stacked, from their moved momentum buffers.
-    The iteration is torch.optim.Muon's: its coefficients, eps and 5 steps (in ns_dtype, bf16
-    there), on the transpose of a tall matrix, the same fused multiply-adds (addmm there, baddbmm
-    here)."""
-    G, B, W = torch.stack(grads), torch.stack(bufs), torch.stack(params)
-    X = (G.lerp(B, momentum) if nesterov else B).to(ns_dtype)
-    rows, cols = W.shape[-2:]
+def orthogonalise(X, ns_dtype):
+    """NS5(X) of a stack of matrices X (n, rows, cols), in ns_dtype. The iteration is
+    torch.optim.Muon's: its coefficients, eps and 5 steps (in bf16 there), on the transpose of a
+    tall matrix, the same fused multiply-adds (addmm there, baddbmm here)."""
+    X = X.to(ns_dtype)
+    rows, cols = X.shape[-2:]
     if rows > cols:
         X = X.mT
     X = X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-7)  # spectral norm at most 1
     for _ in range(5):
         A = X @ X.mT
         X = torch.baddbmm(X, torch.baddbmm(A, A, A, beta=-4.7750, alpha=2.0315), X, beta=3.4445)
-    if rows > cols:
-        X = X.mT
-    return W.mul_(1 - lr * weight_decay).sub_(X.to(W.dtype) * (lr * max(1, rows / cols) ** 0.5))
+    return X.mT if rows > cols else X
+
+
+def descend(W, O, lr, weight_decay, shape):
+    """W <- (1 - lr wd) W - lr sqrt(max(1, rows / cols)) O, in place, for W and O stacks of
+    (rows of) matrices of shape (rows, cols)."""
+    rows, cols = shape
+    return W.mul_(1 - lr * weight_decay).sub_(O.to(W.dtype) * (lr * max(1, rows / cols) ** 0.5))
+
+
+def muon_update(params, grads, bufs, lr, weight_decay, momentum, nesterov, ns_dtype):
+    """Muon's new values for whole matrices of one shape, stacked, from their moved momentum buffers."""
+    G, B, W = torch.stack(grads), torch.stack(bufs), torch.stack(params)
+    U = G.lerp(B, momentum) if nesterov else B
+    return descend(W, orthogonalise(U, ns_dtype), lr, weight_decay, W.shape[-2:])
 
 
 def configure_optimizers(model, cfg, ns_dtype=None):
@@ -650,11 +781,13 @@ EVALS = ("val_loss", "val_bpb", "best_val_loss", "best_val_bpb")
 def checkpoint_dict(model, model_config, cfg, optimizers, step, evals, meta, device):
     """What ckpt.pt holds: the weights and the GPTConfig they make a model of (model_args), the
     optimizers' states, the step, the evaluations so far (EVALS), the run's TrainConfig, its data's
-    meta.json and the RNG states, so that --resume goes on exactly where the run stopped."""
+    meta.json and the RNG states, so that --resume goes on exactly where the run stopped. Every
+    tensor is whole, however the run was split: under FSDP every rank must call this, and only
+    rank 0's dict holds the tensors (gathered)."""
     return dict(
-        model=model.state_dict(),
+        model=gathered(model.state_dict()),
         model_args=dataclasses.asdict(model_config),
-        optimizers=[opt.state_dict() for opt in optimizers],
+        optimizers=[gathered(opt.state_dict()) for opt in optimizers],
         step=step,
         **evals,
         config=dataclasses.asdict(cfg),
@@ -662,6 +795,27 @@ def checkpoint_dict(model, model_config, cfg, optimizers, step, evals, meta, dev
         rng=dict(torch=torch.get_rng_state(),
                  cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None),
     )
+
+
+def gathered(state):
+    """A state_dict with each DTensor (an FSDP shard) replaced by the whole tensor, in CPU memory on
+    rank 0 and None on the other ranks, one tensor at a time: every rank must call it."""
+    if isinstance(state, DTensor):
+        whole = state.full_tensor()
+        return whole.cpu() if dist.get_rank() == 0 else None
+    if isinstance(state, dict):
+        return {k: gathered(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [gathered(v) for v in state]
+    return state
+
+
+def shard_like(tensor, param):
+    """A whole tensor from a checkpoint cut to this rank's shard where param, whose shape it has,
+    is sharded (a DTensor); as it is otherwise. Every rank holds the whole checkpoint (mapped)."""
+    if isinstance(param, DTensor) and tensor.shape == param.shape:
+        return distribute_tensor(tensor.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+    return tensor
 
 
 def save_checkpoint(path, checkpoint):
@@ -706,11 +860,16 @@ def load_checkpoint(path, device="meta"):
 
 def restore(checkpoint, model, optimizers, device):
     """Put load_checkpoint's (ckpt, model) back into a run: the weights into model, the states
-    into optimizers and the RNGs. Returns the step and the evaluations, {EVALS key: value}."""
+    into optimizers (each cut to this rank's shards where the run is sharded) and the RNGs.
+    Returns the step and the evaluations, {EVALS key: value}."""
     ckpt, saved = checkpoint
-    model.load_state_dict(saved.state_dict())
+    ours = model.state_dict()
+    model.load_state_dict({k: shard_like(v, ours[k]) for k, v in saved.state_dict().items()})
     for opt, state in zip(optimizers, ckpt["optimizers"]):
-        opt.load_state_dict(state)
+        params = [p for group in opt.param_groups for p in group["params"]]  # state_dict's numbering
+        per_param = {i: {k: shard_like(v, params[i]) if torch.is_tensor(v) else v for k, v in kept.items()}
+                     for i, kept in state["state"].items()}
+        opt.load_state_dict({**state, "state": per_param})
     torch.set_rng_state(ckpt["rng"]["torch"])
     if device.type == "cuda" and ckpt["rng"]["cuda"] is not None:
         torch.cuda.set_rng_state(ckpt["rng"]["cuda"], device)
