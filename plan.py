@@ -5,7 +5,8 @@ attention variant of one configuration.
 
     python plan.py config/6.3b.py --gpus=8 --gpu_memory_gib=141
     python plan.py --sizes --attn=lrkv --gpu_memory_gib=80,141     # Table 1's four sizes, a row each
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 plan.py config/demo.py --fsdp --dtype=float32 --measure
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 plan.py config/demo.py \\
+        --fsdp --dtype=float32 --measure
 
 Presets and --name=value flags describe the run as they do to train.py (batch, micro-batch,
 optimizer; bf16 unless --dtype=float32); --attn picks the variants (comma-separated; default all).
@@ -103,7 +104,8 @@ class LiveBytes(TorchDispatchMode):
                 self.live += 0 if self.poll else storage.nbytes()
                 weakref.finalize(storage, self.free, key, storage.nbytes())
         if self.poll:
-            self.live = sum(storage.nbytes() for ref in list(self.storages.values()) if (storage := ref()) is not None)
+            self.live = sum(storage.nbytes() for ref in list(self.storages.values())
+                            if (storage := ref()) is not None)
         self.peak = max(self.peak, self.live)
         return out
 
@@ -127,8 +129,8 @@ def activation_bytes(config, micro_batch, weight_dtype, autocast, checkpointed, 
     weights, with weights in weight_dtype (fp32 under DDP, gathered in the run's dtype under FSDP):
     each gradient dropped as soon as it is accumulated, or with keep_grads kept, as they pile up
     while the activations are freed."""
-    return simulated_activation_bytes(dataclasses.astuple(config), micro_batch, weight_dtype, autocast, checkpointed,
-                                      keep_grads)
+    return simulated_activation_bytes(dataclasses.astuple(config), micro_batch, weight_dtype, autocast,
+                                      checkpointed, keep_grads)
 
 
 @functools.cache  # a plan asks for the same simulation several times, a 6.3B one takes seconds
@@ -210,7 +212,8 @@ def memory(config, cfg, gpus, micro_batch, fsdp, checkpointed, machine):
             if fsdp:
                 # this rank's rows of every U; its share whole four times (the all-to-all's two
                 # buffers, the gathered U, the new update), then Newton-Schulz
-                muon = n * size / gpus + 4 * mine * size + newton_schulz_bytes(shape, mine, machine.ns_dtype, False)
+                muon = (n * size / gpus + 4 * mine * size
+                        + newton_schulz_bytes(shape, mine, machine.ns_dtype, False))
             else:
                 muon = newton_schulz_bytes(shape, mine, machine.ns_dtype, True)
                 if gpus > 1:  # the new weights, padded, then every rank's gathered
@@ -222,7 +225,8 @@ def memory(config, cfg, gpus, micro_batch, fsdp, checkpointed, machine):
     if fsdp or micro_batch < cfg.batch_size // gpus:
         forward_backward = grads + part["activations"] + part["gathered"]
     else:
-        forward_backward = activation_bytes(config, micro_batch, weight_dtype, autocast, checkpointed, keep_grads=True)
+        forward_backward = activation_bytes(config, micro_batch, weight_dtype, autocast, checkpointed,
+                                            keep_grads=True)
     part["peak"] = (part["weights"] + part["optimizer"] + bucket
                     + max(forward_backward, grads + part["step"]))
     if fsdp:  # every rank draws the whole model in fp32 before it shards it (train.build)
@@ -273,7 +277,8 @@ def plan_tables(config, cfg, args, machine):
     lines = [f"{tokens / 1e9:.1f}B tokens, {cfg.batch_size} x {T} a step, on {args.gpus} GPUs of "
              f"{'/'.join(f'{g:g}' for g in args.gpu_memory_gib)} GiB, {args.peak_tflops:g} TFLOP/s each; "
              f"{machine.dtype}, {cfg.optimizer}", "",
-             "| variant | params | KV cache at T=" + f"{T} (bf16, a sequence) | GFLOP/token | MFU | hours | hours with AC |",
+             "| variant | params | KV cache at T=" + f"{T} (bf16, a sequence) | GFLOP/token | MFU | hours | "
+             "hours with AC |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for attn in args.attn:
         with torch.device("meta"):
@@ -281,12 +286,14 @@ def plan_tables(config, cfg, args, machine):
         m = args.mfu or mfu[attn]
         source = "given" if args.mfu else "H200 record"
         h, h_ac = (hours(model, cfg, args.gpus, m, args.peak_tflops * 1e12, ac) for ac in (False, True))
-        lines.append(f"| {attn} | {model.get_num_params() / 1e9:.3f}B | {model.kv_cache_bytes(1, T) / 2**20:.1f} MiB | "
-                     f"{model.flops_per_token(T) / 1e9:.2f} | {100 * m:.1f}% ({source}) | {h:,.0f} | {h_ac:,.0f} |")
+        lines.append(f"| {attn} | {model.get_num_params() / 1e9:.3f}B | "
+                     f"{model.kv_cache_bytes(1, T) / 2**20:.1f} MiB | {model.flops_per_token(T) / 1e9:.2f} | "
+                     f"{100 * m:.1f}% ({source}) | {h:,.0f} | {h_ac:,.0f} |")
     micro = min(cfg.micro_batch_size, cfg.batch_size // args.gpus)
     fits = " | ".join(f"largest micro-batch, {g:g} GiB" for g in args.gpu_memory_gib)
     lines += ["", f"Memory per GPU, GiB, at micro-batch {micro} (eager):", "",
-              f"| variant | mode | weights | gradients | optimizer | activations | gathered | step | peak | {fits} |",
+              "| variant | mode | weights | gradients | optimizer | activations | gathered | step | peak | "
+              f"{fits} |",
               "|---|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(limits)]
     for attn in args.attn:
         for name, (fsdp, checkpointed) in MODES.items():
@@ -323,7 +330,8 @@ def sizes_table(args, machine):
                     b = largest_fit(c, cfg, args.gpus, fsdp, checkpointed, machine, gib * GIB)
                     if b:
                         peak = memory(c, cfg, args.gpus, b, fsdp, checkpointed, machine)["peak"]
-                        h = hours(model, cfg, args.gpus, args.mfu or mfu[attn], args.peak_tflops * 1e12, checkpointed)
+                        h = hours(model, cfg, args.gpus, args.mfu or mfu[attn], args.peak_tflops * 1e12,
+                                  checkpointed)
                         cell = f"{name}, {b}, {peak / GIB:.0f}, {h:,.0f}"
                         break
                 cells.append(cell)
@@ -386,12 +394,14 @@ def measure(config, cfg, args):
         planned = memory(c, cfg, world_size, micro, cfg.fsdp, cfg.checkpoint_activations, machine)["peak"]
         measured = max(p.item() for p in peaks)
         rows.append(f"| {attn} | {mode} | {world_size} | {micro} | {planned / 2**20:.2f} | "
-                    + " / ".join(f"{p.item() / 2**20:.2f}" for p in peaks) + f" | {planned / measured - 1:+.1%} |")
+                    + " / ".join(f"{p.item() / 2**20:.2f}" for p in peaks)
+                    + f" | {planned / measured - 1:+.1%} |")
     if world_size > 1:
         dist.destroy_process_group()
     if rank == 0:
         print(f"{device.type}, {dtype}, {cfg.optimizer}: planned and measured peak per process, MiB\n\n"
-              "| variant | mode | processes | micro-batch | planned | measured, rank 0 / 1 / ... | plan vs largest |\n"
+              "| variant | mode | processes | micro-batch | planned | measured, rank 0 / 1 / ... | "
+              "plan vs largest |\n"
               "|---|---|---:|---:|---:|---:|---:|\n" + "\n".join(rows))
 
 
@@ -432,10 +442,13 @@ def main(argv=None):
     parser.add_argument("--gpus", type=positive(int), default=8)
     parser.add_argument("--gpu_memory_gib", type=gib_list, default=[80.0, 141.0],
                         help="the GPU's memory; comma-separated for several (default: 80,141)")
-    parser.add_argument("--peak_tflops", type=positive(float), default=dict(train.PEAK_BF16_FLOPS)["H200"] / 1e12,
+    parser.add_argument("--peak_tflops", type=positive(float),
+                        default=dict(train.PEAK_BF16_FLOPS)["H200"] / 1e12,
                         help="a GPU's dense bf16 peak (default: an H100's or H200's, train.PEAK_BF16_FLOPS)")
-    parser.add_argument("--mfu", type=positive(float), help="model FLOPs utilisation, 0-1 (default: the H200 record's)")
-    parser.add_argument("--attn", type=variants, default=list(ATTENTION), help="comma-separated variants (default: all)")
+    parser.add_argument("--mfu", type=positive(float),
+                        help="model FLOPs utilisation, 0-1 (default: the H200 record's)")
+    parser.add_argument("--attn", type=variants, default=list(ATTENTION),
+                        help="comma-separated variants (default: all)")
     parser.add_argument("--sizes", action="store_true", help="Table 1's four sizes, a line per variant")
     parser.add_argument("--measure", action="store_true", help="measure two steps here beside the plan")
     try:
@@ -447,8 +460,8 @@ def main(argv=None):
         gpus = int(os.environ.get("WORLD_SIZE", 1)) if args.measure else args.gpus
         share = cfg.batch_size // gpus
         if cfg.batch_size % gpus or share % min(cfg.micro_batch_size, share):
-            raise train.ConfigError(f"--batch_size={cfg.batch_size} does not split over {gpus} GPUs in micro-batches "
-                                    f"of --micro_batch_size={cfg.micro_batch_size}")
+            raise train.ConfigError(f"--batch_size={cfg.batch_size} does not split over {gpus} GPUs "
+                                    f"in micro-batches of --micro_batch_size={cfg.micro_batch_size}")
         if args.measure:
             measure(config, cfg, args)
             return 0

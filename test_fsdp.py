@@ -27,9 +27,9 @@ from test_train import REPO, data_dir, records  # noqa: F401 (data_dir is a fixt
 STEPS, STOP = 5, 2
 # 3 layers: Muon's shape groups of 3 split 2 + 1 over two ranks; r = 3: U_k and U_v have 3 x 3 = 9
 # rows, which FSDP shards 5 + 4
-TINY = dict(vocab_size=256, block_size=32, n_layer=3, n_head=3, head_dim=16, n_embd=48, attn="lrkv", lrkv_rank=3,
-            batch_size=4, micro_batch_size=2, max_steps=STEPS, warmup_steps=2, eval_interval=STEPS, eval_tokens=512,
-            log_interval=1, device="cpu", dtype="float32")
+TINY = dict(vocab_size=256, block_size=32, n_layer=3, n_head=3, head_dim=16, n_embd=48, attn="lrkv",
+            lrkv_rank=3, batch_size=4, micro_batch_size=2, max_steps=STEPS, warmup_steps=2,
+            eval_interval=STEPS, eval_tokens=512, log_interval=1, device="cpu", dtype="float32")
 # (name, flags) of the runs one torchrun launch makes in turn, each in out/<name>; "then" continues
 # the run before it in the same folder with --resume
 RUNS = [
@@ -80,16 +80,19 @@ def muon_steps(sharded):
         for p, g in zip(params, step_grads):
             p.grad = cut(g)
         opt.step()
-    return [train.gathered(p.detach()) for p in params], [train.gathered(opt.state[p]["momentum_buffer"]) for p in params]
+    return ([train.gathered(p.detach()) for p in params],
+            [train.gathered(opt.state[p]["momentum_buffer"]) for p in params])
 
 
-MODES = {"one process": (False, False), "one process + AC": (False, True), "DDP": (False, False), "FSDP": (True, False)}
+MODES = {"one process": (False, False), "one process + AC": (False, True), "DDP": (False, False),
+         "FSDP": (True, False)}
 
 
 def planned_and_measured(fsdp, checkpointed, world_size):
     """plan.py's peak bytes for a step of TINY (MLA) in this process group, and plan.measured_peak's."""
-    model_config, cfg = train.parse_args(flags(attn="mla", kv_lora_rank=8, rope_head_dim=8, micro_batch_size=4,
-                                               fsdp=fsdp, checkpoint_activations=checkpointed))
+    model_config, cfg = train.parse_args(flags(attn="mla", kv_lora_rank=8, rope_head_dim=8,
+                                               micro_batch_size=4, fsdp=fsdp,
+                                               checkpoint_activations=checkpointed))
     micro = cfg.batch_size // world_size
     machine = plan.Machine("float32", train.native_dtype("cpu")[0], fused_adamw=False)
     planned = plan.memory(model_config, cfg, world_size, micro, fsdp, checkpointed, machine)["peak"]
@@ -141,7 +144,8 @@ sys.path.insert(0, {str(REPO)!r})
 import test_fsdp
 sys.exit(test_fsdp.launched({str(data_dir)!r}, Path({str(out)!r})))
 """)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "launch.py"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "launch.py"]
     result = subprocess.run(command, cwd=out, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return out
@@ -161,7 +165,8 @@ def test_fsdp_matches_one_process(two_processes, one_process, run, optimizer):
     assert_same_losses(two_processes / run, one_process[optimizer], TOLERANCE)
 
 
-def test_activation_checkpointing_changes_nothing_in_one_process(data_dir, one_process, tmp_path, monkeypatch):
+def test_activation_checkpointing_changes_nothing_in_one_process(data_dir, one_process, tmp_path,
+                                                                 monkeypatch):
     fp32_newton_schulz(monkeypatch)
     assert train.main(flags(data_dir=data_dir, out_dir=tmp_path) + ["--checkpoint_activations"]) == 0
     assert_same_losses(tmp_path, one_process["muon"], 0)
@@ -180,7 +185,8 @@ def test_muon_orthogonalises_sharded_matrices_whole(two_processes):
 def test_a_sharded_run_resumes_exactly(two_processes):
     expected, resumed = records(two_processes / "muon", "loss"), records(two_processes / "resumed", "loss")
     assert resumed == expected
-    assert records(two_processes / "resumed", "val_loss")[STEPS] == records(two_processes / "muon", "val_loss")[STEPS]
+    assert (records(two_processes / "resumed", "val_loss")[STEPS]
+            == records(two_processes / "muon", "val_loss")[STEPS])
 
 
 def test_a_checkpoint_moves_ddp_to_fsdp_to_ddp(two_processes, one_process):
@@ -244,9 +250,10 @@ def test_presets_are_the_papers_shapes(preset):
     assert (model_config.rope_head_dim, cfg.batch_size, cfg.warmup_steps) == (d_R, 16, 2000)
     if preset:  # 50B tokens of 16 x 2048 a step (the 128M default is the paper's 100B)
         assert 0 <= cfg.max_steps * cfg.batch_size * T - 50e9 < cfg.batch_size * T
-    kv_params = dict(mha=2 * H * d * d_h, gqa=2 * G * d * d_h, mqa=2 * d * d_h, lrkv=2 * d * d_h + 2 * H * r * (d + d_h),
-                     mla=d * d_c + 2 * d_c * H * d_h + d * d_R)
-    cache = dict(mha=2 * H * d_h, gqa=2 * G * d_h, mqa=2 * d_h, lrkv=2 * d_h + 2 * H * r + H, mla=d_c + d_R + H)
+    kv_params = dict(mha=2 * H * d * d_h, gqa=2 * G * d * d_h, mqa=2 * d * d_h,
+                     lrkv=2 * d * d_h + 2 * H * r * (d + d_h), mla=d * d_c + 2 * d_c * H * d_h + d * d_R)
+    cache = dict(mha=2 * H * d_h, gqa=2 * G * d_h, mqa=2 * d_h, lrkv=2 * d_h + 2 * H * r + H,
+                 mla=d_c + d_R + H)
     for attn in kv_params:
         with torch.device("meta"):
             model = GPT(train.parse_args(([preset] if preset else []) + [f"--attn={attn}"])[0])
@@ -254,7 +261,8 @@ def test_presets_are_the_papers_shapes(preset):
         per_layer = d * H * d_qk + H * d_h * d + 8 * d * d + kv_params[attn]
         assert model.get_num_params() == L * per_layer + 2 * V * d, attn
         assert model.kv_cache_bytes(1, T) == L * T * cache[attn] * 2, attn  # bf16
-    assert round(100 * (1 / H + r / d_h), 1) == cache_pct  # the paper's LRKV cache %: (2 d_h + 2 H r) / (2 H d_h)
+    # the paper's LRKV cache %: (2 d_h + 2 H r) / (2 H d_h)
+    assert round(100 * (1 / H + r / d_h), 1) == cache_pct
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,15 +276,16 @@ def profiled_peak(model_config, cfg):
     gc.disable()
     try:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            raw_model, _, train_model, optimizers = train.build(model_config, cfg, torch.device("cpu"), 1, "float32",
-                                                                False)
+            raw_model, _, train_model, optimizers = train.build(model_config, cfg, torch.device("cpu"), 1,
+                                                                "float32", False)
             x = torch.randint(model_config.vocab_size, (cfg.batch_size, model_config.block_size))
             for _ in range(2):
                 train.backward(train_model, x, x, cfg.micro_batch_size, nullcontext(), torch.device("cpu"))
                 train.optimizer_step(raw_model, optimizers, cfg)
     finally:
         gc.enable()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
     return max(itertools.accumulate(nbytes for _, nbytes in events))
 
 
@@ -286,20 +295,24 @@ def test_the_plan_is_what_one_process_allocates(mode):
     for what kernels allocate inside themselves (a few KiB here). plan.measured_peak, which counts
     tensors instead (under torchrun the profiler misses frees made by gloo's threads), agrees."""
     planned, measured = planned_and_measured(*MODES[mode], world_size=1)
-    model_config, cfg = train.parse_args(flags(attn="mla", kv_lora_rank=8, rope_head_dim=8, micro_batch_size=4,
-                                               checkpoint_activations=MODES[mode][1]))
+    model_config, cfg = train.parse_args(flags(attn="mla", kv_lora_rank=8, rope_head_dim=8,
+                                               micro_batch_size=4, checkpoint_activations=MODES[mode][1]))
     profiled = profiled_peak(model_config, cfg)
-    assert abs(planned / profiled - 1) < 0.005 and abs(measured / profiled - 1) < 0.005, (planned, measured, profiled)
+    assert (abs(planned / profiled - 1) < 0.005
+            and abs(measured / profiled - 1) < 0.005), (planned, measured, profiled)
 
 
 @pytest.mark.parametrize("mode", ["DDP", "FSDP"])
 def test_the_plan_bounds_what_two_processes_allocate(two_processes, mode):
-    """Under DDP the plan is the measured peak within 1% (0.7% under it here). Under FSDP it counts what a GPU holds while
-    communication overlaps compute: two blocks gathered besides the embeddings, and a block's
-    gradients on their way to the reduce-scatter, all at the activations' peak. Gloo on a CPU
-    overlaps nothing and holds less: here 0.4 MB of the plan's 2.2 (20%; 7% at the demo's size)."""
-    (planned, measured), (_, measured_1) = [torch.load(two_processes / f"memory-rank{r}.pt")[mode] for r in (0, 1)]
-    measured = max(measured, measured_1)  # the plan is the busier rank's: rank 0 orthogonalises 2 of 3 matrices
+    """Under DDP the plan is the measured peak within 1% (0.7% under it here). Under FSDP it
+    counts what a GPU holds while communication overlaps compute: two blocks gathered besides
+    the embeddings, and a block's gradients on their way to the reduce-scatter, all at the
+    activations' peak. Gloo on a CPU overlaps nothing and holds less: here 0.4 MB of the plan's
+    2.2 (20%; 7% at the demo's size)."""
+    (planned, measured), (_, measured_1) = [torch.load(two_processes / f"memory-rank{r}.pt")[mode]
+                                            for r in (0, 1)]
+    # the plan is the busier rank's: rank 0 orthogonalises 2 of 3 matrices
+    measured = max(measured, measured_1)
     assert 0.99 < planned / measured < (1.01 if mode == "DDP" else 1.25), (planned, measured)
 
 

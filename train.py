@@ -4,7 +4,8 @@ Train one attention variant of model.py's GPT on token shards written by prepare
     python train.py --attn=mqa                                  # the paper's 128M recipe (section 2)
     python train.py config/demo.py --attn=lrkv --lrkv_rank=4    # a preset file, then flags
     torchrun --standalone --nproc_per_node=8 train.py --attn=lrkv
-    torchrun --standalone --nproc_per_node=8 train.py config/6.3b.py --attn=lrkv --fsdp   # sharded (docs/scaling.md)
+    # sharded (docs/scaling.md)
+    torchrun --standalone --nproc_per_node=8 train.py config/6.3b.py --attn=lrkv --fsdp
     python train.py --attn=mqa --resume                         # continue out_dir/ckpt.pt
     python train.py config/demo.py config/convert.py --init_from=out/demo/mha/ckpt.pt --attn=lrkv
 
@@ -87,8 +88,10 @@ class TrainConfig:
     device: str = "auto"  # auto: cuda, then mps, then cpu
     dtype: str = "auto"  # bfloat16 (autocast) or float32; auto: native_dtype's choice for the device
     compile: bool | None = None  # torch.compile; None: on CUDA only
-    fsdp: bool = False  # under torchrun, shard weights, gradients and optimizer states over the processes (FSDP2)
-    checkpoint_activations: bool = False  # keep each block's input only and recompute the block in the backward
+    # under torchrun, shard weights, gradients and optimizer states over the processes (FSDP2)
+    fsdp: bool = False
+    # keep each block's input only and recompute the block in the backward
+    checkpoint_activations: bool = False
 
     def __post_init__(self):
         def bad(field, allowed):
@@ -184,7 +187,8 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for the matmuls autocast leaves in fp32
     torch.manual_seed(cfg.seed)
-    raw_model, model, train_model, optimizers = build(model_config, cfg, device, world_size, dtype, compile, initial)
+    raw_model, model, train_model, optimizers = build(model_config, cfg, device, world_size, dtype, compile,
+                                                      initial)
     step, evals = 0, dict.fromkeys(EVALS)
     if resumed is not None:
         step, evals = restore(resumed, raw_model, optimizers, device)
@@ -814,7 +818,8 @@ def shard_like(tensor, param):
     """A whole tensor from a checkpoint cut to this rank's shard where param, whose shape it has,
     is sharded (a DTensor); as it is otherwise. Every rank holds the whole checkpoint (mapped)."""
     if isinstance(param, DTensor) and tensor.shape == param.shape:
-        return distribute_tensor(tensor.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+        return distribute_tensor(tensor.to(param.device), param.device_mesh, param.placements,
+                                 src_data_rank=None)
     return tensor
 
 
