@@ -286,9 +286,10 @@ def plan_tables(config, cfg, args, machine):
         m = args.mfu or mfu[attn]
         source = "given" if args.mfu else "H200 record"
         h, h_ac = (hours(model, cfg, args.gpus, m, args.peak_tflops * 1e12, ac) for ac in (False, True))
-        lines.append(f"| {attn} | {model.get_num_params() / 1e9:.3f}B | "
-                     f"{model.kv_cache_bytes(1, T) / 2**20:.1f} MiB | {model.flops_per_token(T) / 1e9:.2f} | "
-                     f"{100 * m:.1f}% ({source}) | {h:,.0f} | {h_ac:,.0f} |")
+        cache_mib = model.kv_cache_bytes(1, T, torch.bfloat16) / 2**20
+        lines.append(f"| {attn} | {model.get_num_params() / 1e9:.3f}B | {cache_mib:.1f} MiB | "
+                     f"{model.flops_per_token(T) / 1e9:.2f} | {100 * m:.1f}% ({source}) | {h:,.0f} | "
+                     f"{h_ac:,.0f} |")
     micro = min(cfg.micro_batch_size, cfg.batch_size // args.gpus)
     fits = " | ".join(f"largest micro-batch, {g:g} GiB" for g in args.gpu_memory_gib)
     lines += ["", f"Memory per GPU, GiB, at micro-batch {micro} (eager):", "",
@@ -336,8 +337,9 @@ def sizes_table(args, machine):
                         break
                 cells.append(cell)
             tokens = cfg.max_steps * cfg.batch_size * c.block_size
+            cache_mib = model.kv_cache_bytes(1, c.block_size, torch.bfloat16) / 2**20
             lines.append(f"| {size} | {attn} | {model.get_num_params() / 1e9:.2f}B | {tokens / 1e9:.0f}B | "
-                         f"{model.kv_cache_bytes(1, c.block_size) / 2**20:.0f} MiB | {' | '.join(cells)} |")
+                         f"{cache_mib:.0f} MiB | {' | '.join(cells)} |")
     return "\n".join(lines)
 
 

@@ -260,7 +260,7 @@ def test_presets_are_the_papers_shapes(preset):
         d_qk = d_h + (d_R if attn == "mla" else 0)
         per_layer = d * H * d_qk + H * d_h * d + 8 * d * d + kv_params[attn]
         assert model.get_num_params() == L * per_layer + 2 * V * d, attn
-        assert model.kv_cache_bytes(1, T) == L * T * cache[attn] * 2, attn  # bf16
+        assert model.kv_cache_bytes(1, T, torch.bfloat16) == L * T * cache[attn] * 2, attn
     # the paper's LRKV cache %: (2 d_h + 2 H r) / (2 H d_h)
     assert round(100 * (1 / H + r / d_h), 1) == cache_pct
 
