@@ -61,6 +61,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import train
+from bench import variants
 from model import ATTENTION, GPT, GPTConfig
 
 GIB = 2**30
@@ -408,14 +409,6 @@ def measure(config, cfg, args):
 
 
 # ---------------------------------------------------------------------------------------------
-
-def variants(text):
-    names = text.split(",")
-    unknown = [name for name in names if name not in ATTENTION]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: not one of {', '.join(ATTENTION)}")
-    return names
-
 
 def gib_list(text):
     values = [float(v) for v in text.split(",")]
