@@ -417,11 +417,12 @@ def gib_list(text):
     return values
 
 
-def positive(kind):
+def positive(kind, most=math.inf):
     def parse(text):
         value = kind(text)
-        if not 0 < value < math.inf:
-            raise argparse.ArgumentTypeError(f"{text}: must be positive")
+        if not (0 < value <= most and value < math.inf):  # `not` also refuses nan
+            at_most = f", at most {most}" if most < math.inf else ""
+            raise argparse.ArgumentTypeError(f"{text}: must be positive{at_most}")
         return value
     return parse
 
@@ -440,7 +441,7 @@ def main(argv=None):
     parser.add_argument("--peak_tflops", type=positive(float),
                         default=dict(train.PEAK_BF16_FLOPS)["H200"] / 1e12,
                         help="a GPU's dense bf16 peak (default: an H100's or H200's, train.PEAK_BF16_FLOPS)")
-    parser.add_argument("--mfu", type=positive(float),
+    parser.add_argument("--mfu", type=positive(float, 1),
                         help="model FLOPs utilisation, 0-1 (default: the H200 record's)")
     parser.add_argument("--attn", type=variants, default=list(ATTENTION),
                         help="comma-separated variants (default: all)")
@@ -457,6 +458,8 @@ def main(argv=None):
         if cfg.batch_size % gpus or share % min(cfg.micro_batch_size, share):
             raise train.ConfigError(f"--batch_size={cfg.batch_size} does not split over {gpus} GPUs "
                                     f"in micro-batches of --micro_batch_size={cfg.micro_batch_size}")
+        if args.measure and cfg.fsdp and gpus == 1:
+            raise train.ConfigError("--measure --fsdp shards over torchrun's processes: run it under torchrun")
         if args.measure:
             measure(config, cfg, args)
             return 0
