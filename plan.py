@@ -459,7 +459,8 @@ def main(argv=None):
             raise train.ConfigError(f"--batch_size={cfg.batch_size} does not split over {gpus} GPUs "
                                     f"in micro-batches of --micro_batch_size={cfg.micro_batch_size}")
         if args.measure and cfg.fsdp and gpus == 1:
-            raise train.ConfigError("--measure --fsdp shards over torchrun's processes: run it under torchrun")
+            raise train.ConfigError("--measure --fsdp shards over torchrun's processes: "
+                                    "run it under torchrun")
         if args.measure:
             measure(config, cfg, args)
             return 0
