@@ -121,7 +121,8 @@ gpu-demo: $(GPU_CKPTS:ckpt.pt=trained)
 # the README's figures: the demo's, seed 0, and the conversion's, both seeds
 docs: demo convert
 	mkdir -p docs
-	cp $(DEMO)/effective_rank.png $(DEMO)/head_correlation.png $(DEMO)/loss_curves.png $(DEMO)/kv_tradeoff.png docs/
+	cp $(DEMO)/effective_rank.png $(DEMO)/head_correlation.png $(DEMO)/loss_curves.png $(DEMO)/kv_tradeoff.png \
+		$(DEMO)/kv_cache.png docs/
 	cp out/convert/rank_energy.png docs/rank_energy.png
 	cp out/convert/kv_tradeoff.png docs/convert_tradeoff.png
 	cp out/convert-seed1/kv_tradeoff.png docs/convert_tradeoff-seed1.png

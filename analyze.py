@@ -10,10 +10,11 @@ distinct operators the layer's H heads amount to: 1 if all are the same, H if al
 $ python analyze.py out/*/ckpt.pt           # or a folder holding */ckpt.pt: python analyze.py out
 $ python analyze.py out/mha/ckpt.pt --layer mean --centered --out_dir figures
 
-Writes effective_rank.png, head_correlation.png, kv_tradeoff.png, loss_curves.png (from each
-run's log.jsonl beside its checkpoint), rank_energy.png (for an MHA checkpoint: how much rank
-its heads' keys and values need, from the weights alone and, where its training data is there,
-as the inputs of its attention see them) and analysis.json, and prints a table. Runs started
+Writes effective_rank.png, head_correlation.png, kv_tradeoff.png, kv_cache.png (what each run
+caches per token), loss_curves.png (from each run's log.jsonl beside its checkpoint),
+rank_energy.png (for an MHA checkpoint: how much rank its heads' keys and values need, from the
+weights alone and, where its training data is there, as the inputs of its attention see them)
+and analysis.json, and prints a table. Runs started
 from another checkpoint (train.py --init_from) are told apart and show where they started, and
 a conversion calibrated on the inputs (--calibration_tokens) is labelled "whitened", an
 uptraining with a KL term to the source (--distill) "distilled".
@@ -29,18 +30,36 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from checkpoint import load_checkpoint, read_log
+from configurator import ConfigError
+from convert import attention_input_covariances, head_kv_weights
 from model import ATTENTION, shared_plus_low_rank
-from prepare_data import read_shard, shard_paths
-from train import (ConfigError, TrainBatches, TrainConfig, attention_input_covariances, load_checkpoint,
-                   read_log)
+from prepare_data import TrainBatches, read_shard, shard_paths
+from train import TrainConfig
 
 
 def fail(path, problem):
     sys.exit(f"{path}: {problem}")
+
+
+@torch.no_grad()
+def head_qk_weights(model):
+    """Per layer, (Wq, Wk), each (H, d, d_qk): head h's query is x @ Wq[h] and its key x @ Wk[h],
+    before the QK norm and RoPE. The keys are a variant's head_key_weights where it defines them
+    (MLA: its latent norm taken as identity), else its per-head projections (head_kv_weights)."""
+    weights = []
+    for block in model.blocks:
+        attn = block.attn
+        Wq = attn.W_q.weight.view(attn.n_head, attn.qk_dim, -1).transpose(1, 2)
+        Wk = (attn.head_key_weights() if hasattr(attn, "head_key_weights")
+              else head_kv_weights(attn, model.config.attn)[0].mT)
+        weights.append((Wq.detach().clone(), Wk.detach().clone()))
+    return weights
 
 
 def head_similarity(Wq, Wk):
@@ -88,7 +107,7 @@ def rank_energy(model, covariances=None):
     deviation as those inputs see it, sum_h ||(W_h - W_shared) C^(1/2)||_F^2: what the whitened
     conversion keeps. None for a variant with no per-head projections or no spread."""
     try:
-        per_layer = [block.attn.head_kv_weights() for block in model.blocks]
+        per_layer = [head_kv_weights(block.attn, model.config.attn) for block in model.blocks]
     except ValueError:
         return None
     energy = {"keys": [], "values": []}
@@ -146,8 +165,12 @@ def analyze(path):
     # the attention weights are converted, the rest of the model is never read
     for block in model.blocks:
         block.attn.double()
-    similarity = [head_similarity(Wq, Wk) for Wq, Wk in model.head_qk_weights()]
+    similarity = [head_similarity(Wq, Wk) for Wq, Wk in head_qk_weights(model)]
     kv_elements = model.kv_cache_elements_per_token()
+    cached = {}  # {name: elements per token, all layers}, from the buffers decoding allocates
+    for block in model.blocks:
+        for name, shape in block.attn.cache_shapes().items():
+            cached[name] = cached.get(name, 0) + math.prod(shape)
     validation = {key: None if ckpt.get(key) is None else float(ckpt[key]) for key in ("val_loss", "val_bpb")}
     records = read_log(Path(path).parent)
     init_from = ckpt.get("config", {}).get("init_from") or None
@@ -159,8 +182,9 @@ def analyze(path):
         "n_layer": config.n_layer,
         "n_head": config.n_head,
         "n_params": model.get_num_params(),
-        "kv_cache_elements_per_token": kv_elements,
-        "kv_cache_fraction": kv_elements / (2 * config.n_head * config.head_dim),  # of MHA's 2 H d_h
+        "kv_cache_elements_per_token": kv_elements,  # all layers'
+        "kv_cache_entries": cached,
+        "kv_cache_fraction": kv_elements / (config.n_layer * 2 * config.n_head * config.head_dim),  # of MHA's
         **validation,
         "curves": loss_curves(records, ckpt),
         "init_from": init_from,
@@ -189,8 +213,16 @@ def source_args(path):
 
 def legend_key(config):
     """The paper's legend order, which gives matplotlib's default colours in its figure: each
-    variant's place, then its runs by size (Attention.legend_key)."""
-    return ATTENTION[config.attn].legend_key(config)
+    variant's place, then its runs by size (its legend_key), a variant without one after them."""
+    variant = ATTENTION[config.attn]
+    return variant.legend_key(config) if hasattr(variant, "legend_key") else (math.inf, 0)
+
+
+def variant_label(config, peers):
+    """A variant's own legend label (its legend_label, given the configs of every run of it in the
+    figures), or its --attn name."""
+    variant = ATTENTION[config.attn]
+    return variant.legend_label(config, peers) if hasattr(variant, "legend_label") else config.attn
 
 
 def colors(labels):
@@ -201,7 +233,7 @@ def colors(labels):
 
 
 def legend_labels(configs, runs):
-    """The paper's legend labels, each variant's own (Attention.legend_label), and for a run
+    """The paper's legend labels, each variant's own (variant_label), and for a run
     started from another checkpoint "uptrained" (the same model) or "converted" (another, and
     "whitened" when the conversion was calibrated on the inputs), or "from a checkpoint" where
     that one is gone, each "distilled" when uptrained with --distill; a label that would still
@@ -216,7 +248,7 @@ def legend_labels(configs, runs):
         else:
             how = ", converted, whitened" if run["whitened"] else ", converted"
         return how + (", distilled" if run["distilled"] else "")
-    names = [ATTENTION[c.attn].legend_label(c, [peer for peer in configs if peer.attn == c.attn])
+    names = [variant_label(c, [peer for peer in configs if peer.attn == c.attn])
              + started(c, run) for c, run in zip(configs, runs)]
     ckpts = [run["ckpt"] for run in runs]
     return [f"{name} ({Path(ckpt).parent})" if names.count(name) > 1 else name
@@ -338,6 +370,29 @@ def plot_kv_tradeoff(runs):
     return fig
 
 
+def plot_kv_cache(runs):
+    """What each run caches per token and layer (its mean over the layers): a bar per run, a
+    segment per entry of its cache_shapes (k and v; LRKV's k_shared, r_k, rho, v_shared, r_v;
+    MLA's c, k_rope, rho), each entry's colour the same in every bar."""
+    names = list(dict.fromkeys(name for run in runs for name in run["kv_cache_entries"]))
+    fig = Figure(figsize=(9, 0.5 * len(runs) + 1.4), layout="constrained")
+    ax = fig.subplots()
+    for row, run in enumerate(runs):
+        left = 0
+        for name, elements in run["kv_cache_entries"].items():
+            width = elements / run["n_layer"]
+            ax.barh(row, width, left=left, color=f"C{names.index(name) % 10}", edgecolor="white")
+            ax.text(left + width / 2, row, name, ha="center", va="center", fontsize=7)
+            left += width
+        ax.text(left, row, f" {left:g}", va="center", fontsize=8)
+    ax.set_yticks(range(len(runs)), [run["label"] for run in runs])
+    ax.invert_yaxis()
+    ax.set_xlabel("Cached elements per token and layer")
+    ax.set_title("What Each Variant Caches")
+    ax.grid(axis="x", alpha=0.3)
+    return fig
+
+
 def plot_loss_curves(runs):
     """Validation and training loss against tokens seen, one line per run with a log; None if
     no run has one. The paper's claim about loss is about this curve: LRKV reaches a baseline's
@@ -396,7 +451,7 @@ def plot_rank_energy(run, head_dim):
 
 def print_table(runs):
     converted = any(run["start"] for run in runs)
-    rows = [("", "params", "KV elements/token/layer", "% of MHA",
+    rows = [("", "params", "KV elements/token", "% of MHA",
              *(["val loss at step 0"] if converted else []),
              "val loss", "val BPB", "eff. rank (% of H)", "centred (% of H)")]
     for run in runs:
@@ -466,6 +521,7 @@ def main(argv=None):
         "effective_rank.png": plot_effective_rank(runs, args.centered),
         "head_correlation.png": plot_head_correlation(runs, args.layer),
         "kv_tradeoff.png": plot_kv_tradeoff(runs),
+        "kv_cache.png": plot_kv_cache(runs),
         "loss_curves.png": plot_loss_curves(runs),
     }
     mha = next((run for run in runs if run["attn"] == "mha" and run["rank_energy"] and not run["init_from"]),

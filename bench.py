@@ -1,7 +1,7 @@
 """
 What each attention variant costs, all at one configuration, in one process.
 
-Precision is train.native_dtype's: bf16 where the device multiplies it in hardware (a GPU, a CPU
+Precision is hardware.native_dtype's: bf16 where the device multiplies it in hardware (a GPU, a CPU
 with AMX or AVX512-BF16), fp32 elsewhere; the first line says which and why.
 
 Training: forward, backward and train.py's optimizer step on random tokens (bf16 autocast where
@@ -44,7 +44,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from fast_decode import compiled_step, fix
 from model import ATTENTION, GPT, GPTConfig
 from prepare_data import atomic_open
-from train import PRECISION_NAMES, TrainConfig, configure_optimizers, native_dtype, optimizer_step, peak_flops
+from hardware import PRECISION_NAMES, native_dtype, peak_flops
+from train import TrainConfig, configure_optimizers, optimizer_step
 
 PRESETS = {
     # The paper's 128M model and batch: 16 x 2048 tokens a step. Decoding a batch of 16 makes
@@ -397,7 +398,7 @@ def main(argv=None):
                         help="comma-separated variants, measured in this order after MHA, which every row is "
                              "relative to (default: all)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                        help="training autocast, Newton-Schulz and decoding; auto: train.native_dtype's")
+                        help="training autocast, Newton-Schulz and decoding; auto: hardware.native_dtype's")
     parser.add_argument("--out", default="out/bench.json")
     args = parser.parse_args(argv)
     preset, device = PRESETS[args.preset], torch.device(args.device)

@@ -45,7 +45,7 @@ class FixedKVCache(nn.Module):
     def update(self, **new):
         for name, x in new.items():
             getattr(self, name).index_copy_(1, self.pos, x.to(getattr(self, name).dtype))
-        return [getattr(self, name).to(x.dtype) for name, x in new.items()]
+        return {name: getattr(self, name).to(x.dtype) for name, x in new.items()}
 
 
 def fix(caches):

@@ -6,14 +6,12 @@ before every sublayer and on queries and keys, a ReLU^2 MLP, untied embeddings, 
 Only the key/value side of attention changes between variants; every variant keeps H
 full-rank query heads W_q and the output projection W_o.
 
-Read top-down: the config and the pieces every variant uses (norm, RoPE); the Attention
-interface; the five variants, each a class whose forward is its training math, followed by
-what decoding adds and by its conversion from per-head projections; the GPT; then KVCache,
-the per-layer memory that decoding fills (Attention.cache_shapes says what goes in it).
-Training runs one F.scaled_dot_product_attention call per layer over full per-head keys and
-values. Decoding caches only what each variant needs; LRKV and MLA rebuild keys from it only
-for several tokens at once, and a single new token goes through their exact single-token step,
-which builds no cached position's key.
+Read top-down: the config and the pieces every variant uses (norm, RoPE, Attention); the five
+variants, each a class whose docstring is its math and whose forward is what training runs,
+followed by what decoding adds (the cache and the exact single-token step, each optimised step
+beside the plain equation it equals); the GPT; KVCache, the per-layer memory that decoding
+fills. At the end of each class, after its math: its checks, its legend label for analyze.py
+and its conversion from per-head projections (convert.py, train.py --init_from).
 """
 
 import math
@@ -86,38 +84,30 @@ def apply_rope(x, rope):
     return torch.cat((x_pass, x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
 
 
+
+
 # -----------------------------------------------------------------------------
-# The attention variants. Each class reads top-down: its parameters and knobs, its math for
-# training (forward, a screen or less), then what decoding adds (the cache and the exact
-# single-token step), then how it is built from, or gives, H full per-head key and value
-# projections (conversion).
+# The attention variants
 
 class Attention(nn.Module):
-    """The interface of an attention variant, and what every variant shares: H full-rank query
-    heads W_q (normalised and rotated by `queries`), the output projection W_o and `attend`.
+    """What every variant shares: H full-rank query heads W_q (normalised and rotated by
+    `queries`), the output projection W_o, and `attend`, causal softmax attention.
 
-    A variant is a subclass listed in the ATTENTION registry below, the only list of variants:
-    GPT, train.py, analyze.py and bench.py know a variant through these methods alone.
-    - Training: forward, legend_label and legend_key must be defined; check, reset_parameters
-      and attention_macs have defaults for a variant whose knobs need no check, whose only
-      parameters are nn.Linear weights and whose values are head_dim wide; head_qk_weights
-      (for analyze.py) comes from head_kv_weights unless the variant defines it.
-    - Decoding: cache_shapes, and forward's cache argument.
-    - Conversion: head_kv_weights and load_head_kv_weights; without them train.py --init_from
-      converts neither to nor from the variant (a checkpoint of the same variant and shapes is
-      still copied whole).
-
+    A variant is a subclass listed in the ATTENTION registry below. It defines forward (its
+    training math; with a cache, decoding) and cache_shapes (what one token leaves in the cache).
+    It is built as cls(config, layer), layer the block's index from 0, so that a variant may
+    differ from layer to layer; GPT sums every count (parameters, FLOPs, cache) over the layers.
     Widths: every query and key head is qk_dim wide, every value head head_dim (W_o reads H of
-    them). RoPE rotates the last rope_dim dims of each query and key head: GPT builds one table of
-    rope_dim / 2 frequencies from layer 0's rope_dim.
+    them). RoPE rotates the last rope_dim dims of each query and key head. Every parameter must
+    be a 2-D matrix: train.py hands all of them to Muon, which orthogonalises matrices.
+    After its math a variant may define: check (its knobs), reset_parameters (parameters outside
+    an nn.Linear), attention_macs (values not head_dim wide), legend_label and legend_key
+    (analyze.py), head_key_weights (analyze.py, where head_kv_weights cannot give the keys), and
+    its conversion, head_kv_weights and load_head_kv_weights (convert.py)."""
 
-    Parameters: every one must be a 2-D matrix. train.py hands all block parameters to Muon,
-    which orthogonalises matrices; stack per-head factors into one matrix (as LowRankKVAttention
-    stacks its B_h into (H d_h, r))."""
-
-    def __init__(self, config, qk_dim=None, rope_dim=None):
+    def __init__(self, config, layer, qk_dim=None, rope_dim=None):
         super().__init__()
-        self.n_head, self.head_dim = config.n_head, config.head_dim
+        self.layer, self.n_head, self.head_dim = layer, config.n_head, config.head_dim
         self.qk_dim = qk_dim or config.head_dim
         self.rope_dim = rope_dim or config.head_dim
         self.W_q = nn.Linear(config.n_embd, config.n_head * self.qk_dim, bias=False)
@@ -128,33 +118,49 @@ class Attention(nn.Module):
         """This layer's attention output (B, T, d), W_o applied, for the normalised input x (B, T, d).
         rope: the rope_table rows of x's T positions. With a cache (a KVCache of cache_shapes), x
         continues the cached prefix: pass x's entries to cache.update, which appends them and
-        returns every position's, and attend over those, seeing only the positions cache.mask()
-        allows where it is not None (attend(q, k, v, cache) does); cache.rope has the rows of
-        every cached position."""
+        returns every position's, and attend over those (attend(q, k, v, cache) applies the
+        cache's mask); cache.rope has the rows of every cached position."""
         raise NotImplementedError
 
-    def head_qk_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(Wq, Wk), each (H, d, qk_dim): head h's query is x @ Wq[h] and its key x @ Wk[h],
-        before the QK norm and RoPE (any other norm on the key path taken as identity). analyze.py
-        measures head diversity on them. By default the keys are head_kv_weights'."""
-        return self.query_weights(), self.head_kv_weights()[0].mT
+    def cache_shapes(self) -> dict[str, tuple[int, ...]]:
+        """What one token leaves in the decoding cache, {name: shape}: KVCache holds a
+        (B, max_len, *shape) buffer per name, and GPT.kv_cache_bytes counts them."""
+        raise NotImplementedError
+
+    def queries(self, x, rope):
+        B, T, _ = x.shape
+        return apply_rope(norm(self.W_q(x).view(B, T, self.n_head, self.qk_dim)), rope)  # (B, T, H, d_qk)
+
+    def attend(self, q, k, v, cache=None):
+        """softmax(q k^T / sqrt(d_qk)) v for q (B, T, H, d_qk) against k (B, S, H or G, d_qk) and
+        v (B, S, H or G, d_v): the T queries are the last T of the S positions, so T == S is plain
+        causal attention; or, where the cache that returned k and v has a mask (fast_decode.py's
+        fixed-shape one), the positions it allows."""
+        T, S, d_v = q.size(1), k.size(1), v.size(-1)
+        # On a GPU flash attention needs one head dim for q, k and v: a narrower v (MLA's d_h
+        # against its d_h + d_R) is zero-padded, and the padded output dims (all zero) dropped.
+        if d_v < q.size(-1):
+            v = F.pad(v, (0, q.size(-1) - d_v))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        gqa = k.size(1) != q.size(1)  # SDPA reads each of G key/value heads for H/G query heads
+        mask = None if cache is None else cache.mask()
+        if mask is None and T != S and T != 1:  # a chunk after a cached prefix
+            mask = torch.arange(S, device=q.device) <= torch.arange(S - T, S, device=q.device)[:, None]
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return y.transpose(1, 2)[..., :d_v]
+
+    def project_out(self, y):
+        return self.W_o(y.flatten(2))
+
+    # the defaults that a variant may override
 
     @classmethod
     def check(cls, config: "GPTConfig") -> None:
         """Reject (config.reject) any of the variant's own knobs that it cannot be built with.
         GPTConfig calls it after the checks that every variant shares."""
-
-    @classmethod
-    def legend_label(cls, config: "GPTConfig", peers: list["GPTConfig"]) -> str:
-        """The label analyze.py gives a run of this variant; peers: the configs of all runs of this
-        variant in the same figures, config among them."""
-        raise NotImplementedError
-
-    @classmethod
-    def legend_key(cls, config: "GPTConfig") -> tuple[int, int]:
-        """(place, size): analyze.py orders its legend by it, the variants by place (the paper's
-        order: MHA 0, LRKV 1, MQA 2, MLA 3, GQA 4), the runs of one variant by size."""
-        raise NotImplementedError
 
     def reset_parameters(self) -> None:
         """This layer's share of GPT.reset_parameters, which calls it layer after layer once it has
@@ -167,72 +173,17 @@ class Attention(nn.Module):
         discount for the causal mask): GPT.flops_per_token counts 6 FLOPs for each."""
         return self.n_head * (self.qk_dim + self.head_dim) * seq_len
 
-    def queries(self, x, rope):
-        B, T, _ = x.shape
-        return apply_rope(norm(self.W_q(x).view(B, T, self.n_head, self.qk_dim)), rope)
-
-    # SDPA on a GPU: flash attention needs fp16/bf16, one head dim (<= 256) for q, k and v and no
-    # explicit mask (is_causal is fine); it takes enable_gqa, so MQA/GQA never copy K/V per head.
-    # Every variant trains flash-eligible (MLA zero-pads v to its q/k width); on an H200 PyTorch
-    # picks cuDNN attention for all five (docs/benchmarks.md). A chunk after a cached prefix needs
-    # an explicit mask, which leaves the memory-efficient or math kernel.
-    def attend(self, q, k, v, cache=None):
-        """softmax(q k^T / sqrt(d)) v for q (B, T, H, d) against k, v (B, S, H or G, d): the T
-        queries are the last T of the S positions, so T == S is plain causal attention; or, where
-        the cache that returned k and v has a mask (fast_decode.py's fixed-shape one), the
-        positions it allows."""
-        T, S = q.size(1), k.size(1)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        gqa = k.size(1) != q.size(1)
-        mask = None if cache is None else cache.mask()
-        if mask is not None:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        elif T == S or T == 1:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa)
-        else:
-            mask = torch.arange(S, device=q.device) <= torch.arange(S - T, S, device=q.device)[:, None]
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return y.transpose(1, 2)
-
-    def project_out(self, y):
-        return self.W_o(y.flatten(2))
-
-    def query_weights(self):
-        """(H, d, d_qk): head h's query is x @ Wq[h] (before norm and RoPE)."""
-        return self.W_q.weight.view(self.n_head, self.qk_dim, -1).transpose(1, 2)
-
-    def cache_shapes(self) -> dict[str, tuple[int, ...]]:
-        """What one token leaves in the decoding cache, {name: shape}: KVCache holds a
-        (B, max_len, *shape) buffer per name, and GPT.kv_cache_bytes counts them."""
-        raise NotImplementedError
-
-    def head_kv_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_K, W_V), each (H, d_h, d) in nn.Linear's layout: head h's key is x @ W_K[h].T before
-        the QK norm and RoPE, its value x @ W_V[h].T. The source of a conversion."""
-        raise ValueError(f"--attn={self.attn_name()} gives no per-head key and value projections "
-                         "to convert from")
-
-    def load_head_kv_weights(self, W_K: torch.Tensor, W_V: torch.Tensor,
-                             C: torch.Tensor | None = None) -> None:
-        """Set this layer's key and value parameters from H per-head projections (head_kv_weights'
-        layout), as close to them as the variant can be. The target of a conversion. C: None, or
-        the (d, d) covariance E[x x^T] of the inputs x this layer's attention sees (uncentred: the
-        projections have no bias), which makes "close" mean close on those inputs: an error E of a
-        head's projection costs E||E x||^2 = ||E C^(1/2)||_F^2 there. A variant uses C where it
-        changes its answer."""
-        raise ValueError(f"--attn={self.attn_name()} cannot be built from per-head key and value projections")
-
-    def attn_name(self):
-        return next(name for name, cls in ATTENTION.items() if cls is type(self))
-
 
 class GroupedQueryAttention(Attention):
-    """GQA: G = config.n_kv_head key/value heads, each shared by H/G consecutive query heads.
-    MHA (G = H) and MQA (G = 1) are its subclasses, which change kv_heads, the label and the place.
+    """GQA: G = config.n_kv_head key/value heads, each shared by H/G consecutive query heads,
+
+        K_g = X W_g^K        V_g = X W_g^V        head h attends with K_g, V_g for g = h G // H
+
+    MHA (G = H) and MQA (G = 1) are its subclasses, which change kv_heads alone (and the label).
     Cache per token: 2 G d_h (keys stored normalised and rotated, ready to use)."""
 
-    def __init__(self, config):
-        super().__init__(config)
+    def __init__(self, config, layer):
+        super().__init__(config, layer)
         self.n_kv_head = self.kv_heads(config)
         self.W_k = nn.Linear(config.n_embd, self.n_kv_head * config.head_dim, bias=False)
         self.W_v = nn.Linear(config.n_embd, self.n_kv_head * config.head_dim, bias=False)
@@ -241,6 +192,23 @@ class GroupedQueryAttention(Attention):
     def kv_heads(config):
         """G, the number of key/value heads."""
         return config.n_kv_head
+
+    def forward(self, x, rope, cache=None):
+        B, T, _ = x.shape
+        q = self.queries(x, rope)  # (B, T, H, d_h)
+        k = apply_rope(norm(self.W_k(x).view(B, T, self.n_kv_head, self.head_dim)), rope)  # (B, T, G, d_h)
+        v = self.W_v(x).view(B, T, self.n_kv_head, self.head_dim)
+        if cache is not None:  # decoding: attend over every position's keys and values so far
+            cached = cache.update(k=k, v=v)
+            k, v = cached["k"], cached["v"]
+        return self.project_out(self.attend(q, k, v, cache))
+
+    # decoding: the cache holds what training computes, so forward above is the whole step
+
+    def cache_shapes(self):
+        return {"k": (self.n_kv_head, self.head_dim), "v": (self.n_kv_head, self.head_dim)}
+
+    # checks, label, conversion
 
     @classmethod
     def check(cls, config):
@@ -255,22 +223,6 @@ class GroupedQueryAttention(Attention):
     @classmethod
     def legend_key(cls, config):
         return 4, config.n_kv_head
-
-    def forward(self, x, rope, cache=None):
-        B, T, _ = x.shape
-        q = self.queries(x, rope)
-        k = apply_rope(norm(self.W_k(x).view(B, T, self.n_kv_head, self.head_dim)), rope)
-        v = self.W_v(x).view(B, T, self.n_kv_head, self.head_dim)
-        if cache is not None:  # decoding: attend over every position's keys and values so far
-            k, v = cache.update(k=k, v=v)
-        return self.project_out(self.attend(q, k, v, cache))
-
-    # decoding
-
-    def cache_shapes(self):
-        return {"k": (self.n_kv_head, self.head_dim), "v": (self.n_kv_head, self.head_dim)}
-
-    # conversion
 
     def head_kv_weights(self):
         H, G, d_h = self.n_head, self.n_kv_head, self.head_dim
@@ -321,40 +273,35 @@ class MultiQueryAttention(GroupedQueryAttention):
 
 class LowRankKVAttention(Attention):
     """LRKV: every head's key and value projections are one matrix shared by all heads plus a
-    rank-r residual of the head's own,
+    rank-r residual of the head's own (the paper's eq. 6 and 7),
 
         W_h^K = W_shared^K + U_h^K (B_h^K)^T        W_h^V = W_shared^V + U_h^V (B_h^V)^T
 
-    so K_h = X W_shared^K + (X U_h^K)(B_h^K)^T = K_shared + R_h^K (B_h^K)^T, and V_h likewise.
-    Training builds every head's K_h and V_h and attends as MHA does. A decoder caches K_shared,
-    V_shared (d_h each) and every head's R_h^K, R_h^V (r each), the paper's 2 d_h + 2 H r per
-    token, plus each head's key RMS (H numbers, +0.7% at 128M; see key_scores). The B_h are
-    weights, not cache. r = 0 would be MQA; r = d_h gives each head a full-rank residual."""
+    W_shared (d, d_h), U_h (d, r), B_h (d_h, r), so that for the inputs X (T, d)
 
-    def __init__(self, config):
-        super().__init__(config)
+        K_h = X W_shared^K + (X U_h^K)(B_h^K)^T = K_shared + R_h^K (B_h^K)^T
+
+    and V_h likewise. Training builds every head's K_h and V_h and attends as MHA does. A decoder
+    caches K_shared, V_shared (d_h each) and every head's R_h^K, R_h^V (r each), the paper's
+    2 d_h + 2 H r per token, plus each head's key RMS (H numbers, +0.7% at 128M; see key_scores).
+    The B_h are weights, not cache. r = 0 would be MQA; r = d_h gives each head a full-rank residual.
+
+    In code, as in every nn.Linear, the weights are the transposes: W_shared_k.weight is
+    (W_shared^K)^T (d_h, d), U_k.weight the (U_h^K)^T stacked (H r, d), and B_k the B_h^K stacked
+    (H d_h, r): the weight of an nn.Linear from r to H d_h, a bare Parameter because it is drawn
+    apart (reset_parameters). The heads' residuals R_g come in n_residual groups (residual_heads),
+    each read by H / n_residual consecutive heads (per_head): H of them here, one a head."""
+
+    def __init__(self, config, layer):
+        super().__init__(config, layer)
         d, H, d_h, r = config.n_embd, config.n_head, config.head_dim, config.lrkv_rank
-        self.lrkv_rank = r
+        self.lrkv_rank, self.n_residual = r, self.residual_heads(config)
         self.W_shared_k = nn.Linear(d, d_h, bias=False)
         self.W_shared_v = nn.Linear(d, d_h, bias=False)
-        self.U_k = nn.Linear(d, H * r, bias=False)
-        self.U_v = nn.Linear(d, H * r, bias=False)
-        # B_h stacked as (H d_h, r), 2-D like every other matrix so that Muon can train it
+        self.U_k = nn.Linear(d, self.n_residual * r, bias=False)
+        self.U_v = nn.Linear(d, self.n_residual * r, bias=False)
         self.B_k = nn.Parameter(torch.empty(H * d_h, r))
         self.B_v = nn.Parameter(torch.empty(H * d_h, r))
-
-    @classmethod
-    def check(cls, config):
-        if not 1 <= config.lrkv_rank <= config.head_dim:
-            config.reject("lrkv_rank", f"between 1 and head_dim = {config.head_dim}")
-
-    @classmethod
-    def legend_label(cls, config, peers):
-        return f"LRKV (r={config.lrkv_rank})"
-
-    @classmethod
-    def legend_key(cls, config):
-        return 1, config.lrkv_rank
 
     def reset_parameters(self):
         # W_shared and U_h have entries of variance 1/d, so B_h entries of std 0.1/sqrt(r) give
@@ -368,11 +315,11 @@ class LowRankKVAttention(Attention):
         if cache is not None:
             return self.decode(x, rope, cache)
         B, T, _ = x.shape
-        q = self.queries(x, rope)
+        q = self.queries(x, rope)  # (B, T, H, d_h)
         k_shared, v_shared = self.W_shared_k(x), self.W_shared_v(x)  # (B, T, d_h): X W_shared
-        r_k = self.U_k(x).view(B, T, self.n_head, self.lrkv_rank)  # (B, T, H, r): R_h^K = X U_h^K
-        r_v = self.U_v(x).view(B, T, self.n_head, self.lrkv_rank)
-        k = k_shared.unsqueeze(2) + self.residual(r_k, self.B_k)  # (B, T, H, d_h): K_h
+        r_k = self.U_k(x).view(B, T, self.n_residual, self.lrkv_rank)  # (B, T, H, r): R_h^K = X U_h^K
+        r_v = self.U_v(x).view(B, T, self.n_residual, self.lrkv_rank)
+        k = k_shared.unsqueeze(2) + self.residual(self.per_head(r_k), self.B_k)  # (B, T, H, d_h): K_h
         return self.project_out(self.attend(q, apply_rope(norm(k), rope), self.values(v_shared, r_v)))
 
     def residual(self, R, factor):
@@ -381,9 +328,20 @@ class LowRankKVAttention(Attention):
 
     def values(self, v_shared, r_v):
         """Every head's V_h = V_shared + R_h^V (B_h^V)^T: (B, S, d_h), (B, S, H, r) -> (B, S, H, d_h)."""
-        return v_shared.unsqueeze(2) + self.residual(r_v, self.B_v)
+        return v_shared.unsqueeze(2) + self.residual(self.per_head(r_v), self.B_v)
 
-    # decoding: the key half (key_shapes, key_entries, keys, key_scores) and the value half
+    @staticmethod
+    def residual_heads(config):
+        """n_residual, how many residuals R_g each token has: one a head."""
+        return config.n_head
+
+    def per_head(self, R):
+        """The residual each head reads, (B, S, n_residual, r) -> (B, S, H, r): residual g read by
+        heads g H / n_residual on; a view, and with one residual a head R itself."""
+        B, S, G, r = R.shape
+        return R.unsqueeze(3).expand(B, S, G, self.n_head // G, r).flatten(2, 3)
+
+    # Decoding: the key half (key_shapes, key_entries, keys, key_scores) and the value half
     # (value_shapes, value_entries, values, attend_values) each cache and read entries of their
     # own, so that a variant keeping one half of LRKV overrides only the other's methods
     # (test_variant.py keeps the keys and gives every head MQA's shared value)
@@ -396,27 +354,27 @@ class LowRankKVAttention(Attention):
         token's attention through key_scores and attend_values, without building any cached
         position's key or value, or several tokens' through every head's keys and values."""
         q = self.queries(x, rope)
-        new_keys, new_values = self.key_entries(x, rope), self.value_entries(x)
-        cached = cache.update(**new_keys, **new_values)
-        keys, values = cached[:len(new_keys)], cached[len(new_keys):]  # each half's, at every position
-        S = cached[0].size(1)
+        cached = cache.update(**self.key_entries(x, rope), **self.value_entries(x))  # every position's
+        keys = {name: cached[name] for name in self.key_shapes()}
+        values = {name: cached[name] for name in self.value_shapes()}
+        rope = cache.rope[:next(iter(cached.values())).size(1)]  # the rows of every cached position
         if x.size(1) == 1:
-            scores = self.key_scores(q, *keys, cache.rope[:S])  # (B, H, S)
+            scores = self.key_scores(q, **keys, rope=rope)  # (B, H, S)
             mask = cache.mask()
             if mask is not None:  # a fixed-shape cache's unwritten positions (rho 0)
                 scores = scores.masked_fill(~mask, float("-inf"))
             a = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # (B, H, S)
-            return self.project_out(self.attend_values(a, *values))
+            return self.project_out(self.attend_values(a, **values))
         # A prompt or a chunk after a prefix: q, k and v d_h wide as in training. Eq. 7's
         # [V_shared | R_h^V] is d_h + r wide: flash attention refuses a v wider than q and k, and
         # at 128M's 174 so does every fast kernel, which leaves PyTorch's math one (all T x S
         # scores at once). Building V_h costs S H r d_h multiply-adds, as rebuilding the keys does.
-        return self.project_out(self.attend(q, self.keys(*keys, cache.rope[:S]), self.values(*values)))
+        return self.project_out(self.attend(q, self.keys(**keys, rope=rope), self.values(**values)))
 
     # the key half
 
     def key_shapes(self):
-        return {"k_shared": (self.head_dim,), "r_k": (self.n_head, self.lrkv_rank), "rho": (self.n_head,)}
+        return {"k_shared": (self.head_dim,), "r_k": (self.n_residual, self.lrkv_rank), "rho": (self.n_head,)}
 
     def key_entries(self, x, rope):
         """The new tokens' rotated K_shared, R_h^K and rho_h, the RMS of K_h that the QK norm
@@ -424,14 +382,21 @@ class LowRankKVAttention(Attention):
         being linear. rho is stored in the cache's dtype, like the keys."""
         B, T, _ = x.shape
         k_shared = self.W_shared_k(x)  # (B, T, d_h)
-        r_k = self.U_k(x).view(B, T, self.n_head, self.lrkv_rank)  # (B, T, H, r)
-        rho = rms(k_shared.unsqueeze(2) + self.residual(r_k, self.B_k))  # (B, T, H)
+        r_k = self.U_k(x).view(B, T, self.n_residual, self.lrkv_rank)  # (B, T, H, r)
+        rho = rms(k_shared.unsqueeze(2) + self.residual(self.per_head(r_k), self.B_k))  # (B, T, H)
         return {"k_shared": apply_rope(k_shared.unsqueeze(2), rope).squeeze(2), "r_k": r_k, "rho": rho}
 
     def keys(self, k_shared, r_k, rho, rope):
         """Every head's normalised, rotated key at all S cached positions (rope: their rows of the
         RoPE table), as training's: (B, S, H, d_h)."""
-        return (k_shared.unsqueeze(2) + apply_rope(self.residual(r_k, self.B_k), rope)) / rho.unsqueeze(-1)
+        residual = apply_rope(self.residual(self.per_head(r_k), self.B_k), rope)  # (B, S, H, d_h)
+        return (k_shared.unsqueeze(2) + residual) / rho.unsqueeze(-1)
+
+    def key_scores_reference(self, q, k_shared, r_k, rho, rope):
+        """What key_scores computes, by the plain equation: every cached key built (keys), then
+        score_{h,s} = q_h . k_{h,s} / sqrt(d_h). (B, H, S); the tests compare the two."""
+        k = self.keys(k_shared, r_k, rho, rope)  # (B, S, H, d_h)
+        return torch.einsum("bhd,bshd->bhs", q[:, 0], k) / math.sqrt(self.head_dim)
 
     def key_scores(self, q, k_shared, r_k, rho, rope):
         """One new token's attention scores over all S cached positions (rope: their rows of the
@@ -464,37 +429,53 @@ class LowRankKVAttention(Attention):
         M = torch.stack((q1 * Bk1 + q2 * Bk2, q1 * Bk2 - q2 * Bk1))  # (2, d_h/2, N, H, r): cos, sin terms
         w = rope.to(q.dtype) @ M.view(d_h, N * H * r)  # (S, N H r): B_h^T Rot_s^T q_h, one GEMM for the batch
         w = w.view(S, N, H, r).transpose(0, 1)  # (N, S, H, r)
-        residual_term = torch.linalg.vecdot(w, r_k).transpose(1, 2)  # (N, H, S)
+        residual_term = torch.linalg.vecdot(w, self.per_head(r_k)).transpose(1, 2)  # (N, H, S)
         return torch.baddbmm(residual_term, q, k_shared.transpose(1, 2)) / rho.transpose(1, 2)
 
     # the value half
 
     def value_shapes(self):
-        return {"v_shared": (self.head_dim,), "r_v": (self.n_head, self.lrkv_rank)}
+        return {"v_shared": (self.head_dim,), "r_v": (self.n_residual, self.lrkv_rank)}
 
     def value_entries(self, x):
         """The new tokens' V_shared (B, T, d_h) and R_h^V (B, T, H, r)."""
         B, T, _ = x.shape
-        return {"v_shared": self.W_shared_v(x), "r_v": self.U_v(x).view(B, T, self.n_head, self.lrkv_rank)}
+        r_v = self.U_v(x).view(B, T, self.n_residual, self.lrkv_rank)
+        return {"v_shared": self.W_shared_v(x), "r_v": r_v}
 
     def attend_values(self, a, v_shared, r_v):
         """One new token's output (B, 1, H, d_h) from its attention a (B, H, S) over the cached
         values, by eq. 7: a_h V_h = a_h V_shared + (a_h R_h^V) (B_h^V)^T, as two products so that
         V_shared is never copied per head, B_h^V applied once, to the result."""
         y_shared = (a @ v_shared).unsqueeze(1)  # (B, 1, H, d_h)
-        y_res = torch.einsum("bhs,bshr->bhr", a, r_v).unsqueeze(1)  # (B, 1, H, r)
+        y_res = torch.einsum("bhs,bshr->bhr", a, self.per_head(r_v)).unsqueeze(1)  # (B, 1, H, r)
         return y_shared + self.residual(y_res, self.B_v)
 
-    # conversion
+    # checks, label, conversion
+
+    @classmethod
+    def check(cls, config):
+        if not 1 <= config.lrkv_rank <= config.head_dim:
+            config.reject("lrkv_rank", f"between 1 and head_dim = {config.head_dim}")
+
+    @classmethod
+    def legend_label(cls, config, peers):
+        return f"LRKV (r={config.lrkv_rank})"
+
+    @classmethod
+    def legend_key(cls, config):
+        return 1, config.lrkv_rank
 
     def head_kv_weights(self):
         return (self.head_weights(self.W_shared_k, self.U_k, self.B_k),
                 self.head_weights(self.W_shared_v, self.U_v, self.B_v))
 
     def head_weights(self, W_shared, U, factor):
-        """Every head's W_shared + B_h U_h, one half's (H, d_h, d)."""
+        """Every head's W_h = W_shared + U_h B_h^T of one half, in nn.Linear's layout, W_h^T:
+        (H, d_h, d)."""
         H, d_h, r = self.n_head, self.head_dim, self.lrkv_rank
-        return W_shared.weight + torch.einsum("hdr,hrc->hdc", factor.view(H, d_h, r), U.weight.view(H, r, -1))
+        U_t = U.weight.view(self.n_residual, r, -1).repeat_interleave(H // self.n_residual, dim=0)
+        return W_shared.weight + torch.einsum("hdr,hrc->hdc", factor.view(H, d_h, r), U_t)  # U_t (H, r, d)
 
     def load_head_kv_weights(self, W_K, W_V, C=None):
         """W_shared = the heads' mean, U_h B_h^T = the rank-r truncated SVD of W_h - W_shared, or
@@ -502,60 +483,33 @@ class LowRankKVAttention(Attention):
         keys and values alike. With r = d_h it is every head exactly, with or without C. The mean
         stays the shared part with C too: it is the optimal single projection in the norm of any C
         (GroupedQueryAttention.load_head_kv_weights), and the residuals take what it misses."""
-        C = None if C is None else C.to(W_K.device, torch.float64)
         self.load_head_weights(W_K, self.W_shared_k, self.U_k, self.B_k, C)
         self.load_head_weights(W_V, self.W_shared_v, self.U_v, self.B_v, C)
 
     def load_head_weights(self, heads, W_shared, U, factor, C):
-        mean, B_h, U_h, _ = shared_plus_low_rank(heads.double(), self.lrkv_rank, C)
+        """One half of load_head_kv_weights, heads (H, d_h, d) in nn.Linear's layout."""
+        C = None if C is None else C.to(heads.device, torch.float64)
+        mean, B_h, U_t, _ = shared_plus_low_rank(heads.double(), self.lrkv_rank, C)
         W_shared.weight.copy_(mean)
-        U.weight.copy_(U_h.flatten(0, 1))
+        U.weight.copy_(U_t.flatten(0, 1))
         factor.copy_(B_h.flatten(0, 1))
 
 
-def shared_plus_low_rank(W, r, C=None):
-    """W (H, d_h, d), H per-head projections, as W_h = W_shared + B_h U_h: W_shared (d_h, d) their
-    mean, and B (H, d_h, r), U (H, r, d) each head's rank-r residual, the closest to its deviation
-    D_h = W_h - W_shared in one of two norms; also the singular values S (H, d_h) of the D_h in
-    that norm, largest first.
-    - Without C, Frobenius: the residual is the truncated SVD of D_h (Eckart-Young).
-    - With C, the (d, d) covariance E[x x^T] of the heads' inputs, the error on those inputs,
-      E||(D_h - B_h U_h) x||^2 = ||(D_h - B_h U_h) C^(1/2)||_F^2: the residual is the truncated SVD
-      P_r S_r Q_r^T of D_h C^(1/2) mapped back by C^(-1/2) (whitened, as SVD-LLM, Palu and CARE
-      compress k_proj and v_proj), and it misses by the singular values of D_h C^(1/2) it drops.
-    Both are P_r P_r^T D_h, P_r the top r left singular vectors of D_h as the norm sees it
-    (P_r S_r Q_r^T C^(-1/2) = P_r P_r^T D_h C^(1/2) C^(-1/2)), which needs no inverse of C. A
-    singular C, with directions the inputs never take, has none; along such a direction every
-    residual is as good as another on the inputs, and P_r P_r^T D_h is the one closest to D_h (it
-    keeps D_h's part in the r output directions kept), so r = d_h stays exact, where a
-    pseudo-inverse would drop that part and an eigenvalue floor would change the answer.
-    Each singular value of the residual is split evenly, sqrt into both factors: their product
-    does not care, and balanced factors have equal norms, so an optimiser that uptrains them
-    moves each by the same share of itself."""
-    mean = W.mean(0)
-    D = W - mean  # (H, d_h, d)
-    if C is not None:
-        eigenvalues, V = torch.linalg.eigh(C)
-        # a dead direction's eigenvalue 0 comes out of eigh as +-rounding: sqrt needs it >= 0
-        seen = D @ (V * eigenvalues.clamp(min=0).sqrt() @ V.mT)  # (H, d_h, d): D_h C^(1/2)
-    P, S, _ = torch.linalg.svd(D if C is None else seen, full_matrices=False)  # (H, d_h, d_h), (H, d_h)
-    P_r = P[..., :r]
-    # P_r^T D_h = Y sigma Z^T: (H, r, r), (H, r), (H, r, d)
-    Y, sigma, Zt = torch.linalg.svd(P_r.mT @ D, full_matrices=False)
-    root = sigma.sqrt()
-    return mean, P_r @ Y * root[:, None, :], root[..., None] * Zt, S
-
-
 class MultiHeadLatentAttention(Attention):
-    """MLA as DeepSeek-V2: keys and values come up from a normalised latent c = norm(x W_down)
-    of width d_c, per head, through W_up; one decoupled RoPE key k_R = x W_kr of width d_R,
-    shared by all heads, carries position. Each q/k head is [d_h position-free dims | d_R RoPE
-    dims], d_h + d_R wide; values are d_h wide. Cache per token: c, k_R and every head's key RMS
-    rho_h (one number each), d_c + d_R + H. The H rhos (+3.1% at 128M) spare a single-token step
-    from applying W_up^K to the whole cache for the QK norm (decode_step)."""
+    """MLA as DeepSeek-V2: keys and values come up from a normalised latent c = norm(x W_down) of
+    width d_c, per head, through W_up; one decoupled RoPE key k_R = x W_kr of width d_R, shared
+    by all heads, carries position:
 
-    def __init__(self, config):
-        super().__init__(config, qk_dim=config.head_dim + config.rope_head_dim, rope_dim=config.rope_head_dim)
+        k_h = [c W_up,h^K | Rot(k_R)]        v_h = c W_up,h^V
+
+    Each q/k head is [d_h position-free dims | d_R RoPE dims], d_h + d_R wide; values are d_h
+    wide. Cache per token: c, the rotated k_R and every head's key RMS rho_h (one number each),
+    d_c + d_R + H. The H rhos (+3.1% at 128M) spare a single-token step from applying W_up^K to
+    the whole cache for the QK norm (decode_step)."""
+
+    def __init__(self, config, layer):
+        super().__init__(config, layer, qk_dim=config.head_dim + config.rope_head_dim,
+                         rope_dim=config.rope_head_dim)
         d, H, d_h = config.n_embd, config.n_head, config.head_dim
         self.kv_lora_rank = config.kv_lora_rank
         self.W_down = nn.Linear(d, self.kv_lora_rank, bias=False)
@@ -563,36 +517,15 @@ class MultiHeadLatentAttention(Attention):
         self.W_up_v = nn.Linear(self.kv_lora_rank, H * d_h, bias=False)
         self.W_kr = nn.Linear(d, self.rope_dim, bias=False)
 
-    @classmethod
-    def check(cls, config):
-        if config.kv_lora_rank < 1:
-            config.reject("kv_lora_rank", "a positive integer")
-        if not (2 <= config.rope_head_dim <= config.head_dim and config.rope_head_dim % 2 == 0):
-            config.reject("rope_head_dim", f"even, from 2 to head_dim = {config.head_dim}")
-
-    @classmethod
-    def legend_label(cls, config, peers):
-        # d_c only where it tells the MLA runs apart
-        several = len({peer.kv_lora_rank for peer in peers}) > 1
-        return f"MLA (d_c={config.kv_lora_rank})" if several else "MLA"
-
-    @classmethod
-    def legend_key(cls, config):
-        return 3, config.kv_lora_rank
-
     def forward(self, x, rope, cache=None):
         if cache is not None:
             return self.decode(x, rope, cache)
-        B, T, _ = x.shape
         q = self.queries(x, rope)  # (B, T, H, d_h + d_R)
         c = norm(self.W_down(x))  # (B, T, d_c)
         # Rotating part of a vector leaves its RMS unchanged, so norm-after-rotate equals the
         # queries' rotate-after-norm
         k = self.keys(c, apply_rope(self.W_kr(x).unsqueeze(2), rope))
-        # flash attention wants v as wide as q and k: zero-pad v by d_R and drop the padded
-        # (all-zero) output dims, d_R / d_h more work in a v than an unpadded kernel would do
-        v = F.pad(self.W_up_v(c).view(B, T, self.n_head, self.head_dim), (0, self.rope_dim))
-        return self.project_out(self.attend(q, norm(k), v)[..., :self.head_dim])
+        return self.project_out(self.attend(q, norm(k), self.values(c)))
 
     def keys(self, c, k_rope):
         """Every head's key before the QK norm, [c W_up,h^K | k_R]: (B, S, H, d_h + d_R)."""
@@ -600,11 +533,9 @@ class MultiHeadLatentAttention(Attention):
         k_nope = self.W_up_k(c).view(B, S, self.n_head, self.head_dim)
         return torch.cat((k_nope, k_rope.expand(B, S, self.n_head, self.rope_dim)), dim=-1)
 
-    def head_qk_weights(self):
-        W_up_k = self.W_up_k.weight.view(self.n_head, self.head_dim, self.kv_lora_rank)
-        Wk_nope = torch.einsum("cx,hnc->hxn", self.W_down.weight, W_up_k)
-        Wk_rope = self.W_kr.weight.t().expand(self.n_head, -1, -1)
-        return self.query_weights(), torch.cat((Wk_nope, Wk_rope), dim=-1)
+    def values(self, c):
+        """Every head's value c W_up,h^V: (B, S, d_c) -> (B, S, H, d_h)."""
+        return self.W_up_v(c).view(*c.shape[:2], self.n_head, self.head_dim)
 
     # decoding
 
@@ -612,30 +543,30 @@ class MultiHeadLatentAttention(Attention):
         return {"c": (self.kv_lora_rank,), "k_rope": (1, self.rope_dim), "rho": (self.n_head,)}
 
     def decode(self, x, rope, cache):
-        """forward with a cache. The QK norm couples k_R with each head's c W_up,h^K, which is why
-        W_up^K is absorbed into the query only with each key's RMS cached (decode_step)."""
-        B, T, _ = x.shape
+        """forward with a cache: the new tokens' latent, rotated RoPE key and key RMSs appended,
+        then one new token's attention through decode_step, which builds no cached key or value,
+        or several tokens' through every head's keys and values rebuilt, as in training."""
         q = self.queries(x, rope)
         c = norm(self.W_down(x))
         k_rope = apply_rope(self.W_kr(x).unsqueeze(2), rope)  # (B, T, 1, d_R)
-        k = self.keys(c, k_rope)
-        c, k_rope, rho = cache.update(c=c, k_rope=k_rope, rho=rms(k))
-        if c.size(1) == T:  # a prompt, every key and value new: attend as training does
-            v = F.pad(self.W_up_v(c).view(B, T, self.n_head, self.head_dim), (0, self.rope_dim))
-            return self.project_out(self.attend(q, norm(k), v)[..., :self.head_dim])
-        # After a prefix, attend over the latent itself, as a_h V_h = (a_h c) W_up,h^V exactly:
-        # cheaper than applying W_up^V to every cached c, though flash attention refuses a v
-        # (d_c wide) unlike q and k (d_h + d_R).
-        if T == 1:
-            y = self.decode_step(q, c, k_rope, rho, cache.mask())
-        else:
-            # a chunk after a prefix: rebuild every head's keys at every position (the new
-            # tokens' keys are built already)
-            S = c.size(1)
-            k = torch.cat((self.keys(c[:, :S - T], k_rope[:, :S - T]), k), dim=1) / rho.unsqueeze(-1)
-            y = self.attend(q, k, c.unsqueeze(2).expand(B, S, self.n_head, self.kv_lora_rank))
+        cached = cache.update(c=c, k_rope=k_rope, rho=rms(self.keys(c, k_rope)))
+        c, k_rope, rho = cached["c"], cached["k_rope"], cached["rho"]  # every position's
+        if x.size(1) > 1:
+            return self.project_out(self.attend(q, norm(self.keys(c, k_rope)), self.values(c), cache))
+        # a_h V_h = (a_h c) W_up,h^V exactly: W_up^V applied once, to the attended latent
+        y = self.decode_step(q, c, k_rope, rho, cache.mask())  # (B, 1, H, d_c)
         W_up_v = self.W_up_v.weight.view(self.n_head, self.head_dim, self.kv_lora_rank)
         return self.project_out(torch.einsum("bthc,hdc->bthd", y, W_up_v))
+
+    def decode_step_reference(self, q, c, k_rope, rho, mask=None):
+        """What decode_step computes, by the plain equation: every cached key built and divided by
+        its cached RMS, then softmax(q_h . k_{h,s} / sqrt(d_h + d_R)) applied to the latent.
+        (B, 1, H, d_c); the tests compare the two."""
+        k = self.keys(c, k_rope) / rho.unsqueeze(-1)  # (B, S, H, d_h + d_R)
+        scores = torch.einsum("bhd,bshd->bhs", q[:, 0], k) / math.sqrt(self.qk_dim)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return (torch.softmax(scores, dim=-1) @ c).unsqueeze(1)
 
     def decode_step(self, q, c, k_rope, rho, mask=None):
         """One new token's attention over all S cached positions (mask: which of them it may
@@ -661,7 +592,32 @@ class MultiHeadLatentAttention(Attention):
         a = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # (B, H, S)
         return (a @ c).unsqueeze(1)
 
-    # conversion
+    # checks, label, analysis, conversion
+
+    @classmethod
+    def check(cls, config):
+        if config.kv_lora_rank < 1:
+            config.reject("kv_lora_rank", "a positive integer")
+        if not (2 <= config.rope_head_dim <= config.head_dim and config.rope_head_dim % 2 == 0):
+            config.reject("rope_head_dim", f"even, from 2 to head_dim = {config.head_dim}")
+
+    @classmethod
+    def legend_label(cls, config, peers):
+        # d_c only where it tells the MLA runs apart
+        several = len({peer.kv_lora_rank for peer in peers}) > 1
+        return f"MLA (d_c={config.kv_lora_rank})" if several else "MLA"
+
+    @classmethod
+    def legend_key(cls, config):
+        return 3, config.kv_lora_rank
+
+    def head_key_weights(self):
+        """(H, d, d_h + d_R): head h's key is x @ Wk[h] before the QK norm and RoPE, the latent's
+        norm taken as identity. analyze.py's: MLA gives no per-head projections to convert."""
+        W_up_k = self.W_up_k.weight.view(self.n_head, self.head_dim, self.kv_lora_rank)
+        Wk_nope = torch.einsum("cx,hnc->hxn", self.W_down.weight, W_up_k)
+        Wk_rope = self.W_kr.weight.t().expand(self.n_head, -1, -1)
+        return torch.cat((Wk_nope, Wk_rope), dim=-1)
 
     def load_head_kv_weights(self, W_K, W_V, C=None):
         # MHA2MLA (Ji et al., 2025) first uptrains the source with RoPE on a few frequencies only
@@ -693,9 +649,9 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, layer):
         super().__init__()
-        self.attn = ATTENTION[config.attn](config)
+        self.attn = ATTENTION[config.attn](config, layer)
         self.mlp = MLP(config)
 
     def forward(self, x, rope, cache=None):
@@ -708,7 +664,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layer))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         # one RoPE table for every layer, as wide as each q/k head's rotated part (Attention.rope_dim)
         rope = rope_table(self.blocks[0].attn.rope_dim, config.block_size, config.rope_theta)
@@ -760,37 +716,6 @@ class GPT(nn.Module):
         matmul_params = self.get_num_params() - self.wte.weight.numel()
         return 6 * matmul_params + 6 * sum(block.attn.attention_macs(T) for block in self.blocks)
 
-    @torch.no_grad()
-    def convert_from(self, source, covariances=None):
-        """Take a trained GPT's weights: the embeddings, queries, output projections and MLPs as
-        they are, and each layer's keys and values through the variants' conversion, source's
-        per-head projections (head_kv_weights) built into this layer's (load_head_kv_weights).
-        covariances: None (the weights alone), or per layer the (d, d) covariance of the inputs
-        source's attention sees there (train.py's attention_input_covariances), for
-        load_head_kv_weights. A model of the same variant and shapes is copied whole. Width,
-        heads, head dim, layers and vocabulary must agree: nothing else can carry over."""
-        for field in ("n_embd", "n_head", "head_dim", "n_layer", "vocab_size"):
-            if getattr(self.config, field) != getattr(source.config, field):
-                raise ValueError(f"the checkpoint has {field} = {getattr(source.config, field)}, this model "
-                                 f"{getattr(self.config, field)}: only the attention's keys and values"
-                                 " convert")
-        ours, theirs = self.state_dict(), source.state_dict()
-        if self.config.attn == source.config.attn and all(ours[k].shape == theirs[k].shape for k in ours):
-            self.load_state_dict(theirs)
-            return
-        covariances = covariances or [None] * len(self.blocks)
-        for block, source_block, C in zip(self.blocks, source.blocks, covariances):
-            block.attn.load_head_kv_weights(*source_block.attn.head_kv_weights(), C)
-        kept = ("wte.", "lm_head.", ".mlp.", ".attn.W_q.", ".attn.W_o.")
-        self.load_state_dict({k: v for k, v in theirs.items() if any(part in f".{k}" for part in kept)},
-                             strict=False)
-
-    @torch.no_grad()
-    def head_qk_weights(self):
-        """Per layer, (Wq, Wk), each (H, d, d_qk): head h's query is x @ Wq[h] and its key
-        x @ Wk[h], before the QK norm and RoPE (MLA: with its latent norm taken as identity)."""
-        return [tuple(w.detach().clone() for w in block.attn.head_qk_weights()) for block in self.blocks]
-
     # decoding
 
     def new_caches(self, batch_size, max_len, dtype=None, device=None):
@@ -810,8 +735,8 @@ class GPT(nn.Module):
         return sum(buf.numel() * buf.element_size() for cache in caches for buf in cache.buffers())
 
     def kv_cache_elements_per_token(self):
-        """Cached elements per token per layer: 2 H d_h for MHA ... d_c + d_R + H for MLA."""
-        return sum(math.prod(shape) for shape in self.blocks[0].attn.cache_shapes().values())
+        """Cached elements per token, summed over the layers: n_layer 2 H d_h for MHA ..."""
+        return sum(math.prod(shape) for block in self.blocks for shape in block.attn.cache_shapes().values())
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, step=None,
@@ -899,12 +824,50 @@ class KVCache(nn.Module):
         return None
 
     def update(self, **new):
-        """Append the new tokens' entries; return every name's entries so far, in the caller's dtype."""
+        """Append the new tokens' entries; return every name's entries so far, {name: (B, pos, *shape)},
+        in the caller's dtype."""
         end = self.pos + next(iter(new.values())).size(1)
-        out = []
+        out = {}
         for name, x in new.items():
             buf = getattr(self, name)
             buf[:, self.pos:end] = x
-            out.append(buf[:, :end].to(x.dtype))
+            out[name] = buf[:, :end].to(x.dtype)
         self.pos = end
         return out
+
+
+# -----------------------------------------------------------------------------
+# Conversion's math: LRKV's closest shared-plus-low-rank factors (convert.py, analyze.py)
+
+def shared_plus_low_rank(W, r, C=None):
+    """H per-head projections as W_h = W_shared + U_h B_h^T, all in nn.Linear's layout: W (H, d_h, d)
+    holds the W_h^T; returns W_shared^T (d_h, d), their mean, and each head's rank-r residual as
+    B (H, d_h, r) and U^T (H, r, d), B_h U_h^T the closest to its deviation D_h = W_h^T - W_shared^T
+    in one of two norms; also the singular values S (H, d_h) of the D_h in that norm, largest first.
+    - Without C, Frobenius: the residual is the truncated SVD of D_h (Eckart-Young).
+    - With C, the (d, d) covariance E[x x^T] of the heads' inputs, the error on those inputs,
+      E||(D_h - B_h U_h^T) x||^2 = ||(D_h - B_h U_h^T) C^(1/2)||_F^2: the residual is the truncated SVD
+      P_r S_r Q_r^T of D_h C^(1/2) mapped back by C^(-1/2) (whitened, as SVD-LLM, Palu and CARE
+      compress k_proj and v_proj), and it misses by the singular values of D_h C^(1/2) it drops.
+    Both are P_r P_r^T D_h, P_r the top r left singular vectors of D_h as the norm sees it
+    (P_r S_r Q_r^T C^(-1/2) = P_r P_r^T D_h C^(1/2) C^(-1/2)), which needs no inverse of C. A
+    singular C, with directions the inputs never take, has none; along such a direction every
+    residual is as good as another on the inputs, and P_r P_r^T D_h is the one closest to D_h (it
+    keeps D_h's part in the r output directions kept), so r = d_h stays exact, where a
+    pseudo-inverse would drop that part and an eigenvalue floor would change the answer.
+    Each singular value of the residual is split evenly, sqrt into both factors: their product
+    does not care, and balanced factors have equal norms, so an optimiser that uptrains them
+    moves each by the same share of itself."""
+    mean = W.mean(0)
+    D = W - mean  # (H, d_h, d)
+    if C is not None:
+        eigenvalues, V = torch.linalg.eigh(C)
+        # a dead direction's eigenvalue 0 comes out of eigh as +-rounding: sqrt needs it >= 0
+        seen = D @ (V * eigenvalues.clamp(min=0).sqrt() @ V.mT)  # (H, d_h, d): D_h C^(1/2)
+    P, S, _ = torch.linalg.svd(D if C is None else seen, full_matrices=False)  # (H, d_h, d_h), (H, d_h)
+    P_r = P[..., :r]
+    # P_r^T D_h = Y sigma Z^T: (H, r, r), (H, r), (H, r, d)
+    Y, sigma, Zt = torch.linalg.svd(P_r.mT @ D, full_matrices=False)
+    root = sigma.sqrt()
+    return mean, P_r @ Y * root[:, None, :], root[..., None] * Zt, S
+

@@ -22,7 +22,7 @@ Memory per GPU, as eager PyTorch allocates it (DDP with --gpus=1 is one process)
 - FSDP's gathered blocks: the embeddings and two blocks (the one running, the one prefetched)
   gathered whole in the run's dtype, and one block's gradients in the run's dtype and in fp32 on
   their way to the reduce-scatter.
-- the optimizer step: what train.Muon allocates for one GPU's share of the largest shape group
+- the optimizer step: what muon.Muon allocates for one GPU's share of the largest shape group
   (Newton-Schulz run on fake tensors, then DDP's all-gather or FSDP's all-to-alls), and AdamW's
   square roots (none where AdamW is fused, on a GPU).
 The peak: weights, optimizer states and DDP's bucket copy, plus the larger of the forward and
@@ -60,8 +60,12 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+import hardware
+import muon
+import parallel
 import train
 from bench import variants
+from configurator import ConfigError
 from model import ATTENTION, GPT, GPTConfig
 
 GIB = 2**30
@@ -141,7 +145,7 @@ def simulated_activation_bytes(config_fields, micro_batch, weight_dtype, autocas
         with default_dtype(weight_dtype):
             model = GPT(config)
         if checkpointed:
-            train.checkpoint_blocks(model)
+            parallel.checkpoint_blocks(model)
         if not keep_grads:
             for p in model.parameters():
                 p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
@@ -155,7 +159,7 @@ def simulated_activation_bytes(config_fields, micro_batch, weight_dtype, autocas
 
 @functools.cache
 def newton_schulz_bytes(shape, n, ns_dtype, whole_update):
-    """Peak bytes that train.Muon's Newton-Schulz allocates for n matrices of shape: the whole
+    """Peak bytes that muon.Muon's Newton-Schulz allocates for n matrices of shape: the whole
     muon_update (stacks of weights, gradients and buffers, then the iteration) if whole_update,
     else orthogonalise alone, given the stacked U (FSDP's sharded_step)."""
     with FakeTensorMode():
@@ -163,11 +167,11 @@ def newton_schulz_bytes(shape, n, ns_dtype, whole_update):
             W, G, B = ([torch.empty(shape) for _ in range(n)] for _ in range(3))
             lr = torch.tensor(0.02, dtype=torch.float64)
             with LiveBytes(exclude=[*W, *G, *B, lr]) as live:
-                train.muon_update(W, G, B, lr, 0.1, 0.95, True, ns_dtype)
+                muon.muon_update(W, G, B, lr, 0.1, 0.95, True, ns_dtype)
         else:
             U = torch.empty(n, *shape)
             with LiveBytes(exclude=[U]) as live:
-                train.orthogonalise(U, ns_dtype)
+                muon.orthogonalise(U, ns_dtype)
     return live.peak
 
 
@@ -200,7 +204,7 @@ def memory(config, cfg, gpus, micro_batch, fsdp, checkpointed, machine):
     weight_dtype = torch.bfloat16 if fsdp and machine.dtype == "bfloat16" else torch.float32
     autocast = machine.dtype == "bfloat16"
     part["activations"] = activation_bytes(config, micro_batch, weight_dtype, autocast, checkpointed)
-    block = sum(p.numel() for p in model.blocks[0].parameters())
+    block = max(sum(p.numel() for p in b.parameters()) for b in model.blocks)  # the largest block gathered
     part["gathered"] = (run_bytes * (2 * model.wte.weight.numel() + 2 * block) + (run_bytes + 4) * block
                         if fsdp else 0)
     step = 4 * adamw / share if not machine.fused_adamw else 0
@@ -378,9 +382,9 @@ def measure(config, cfg, args):
     measures and rank 0 prints all of them."""
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    device = train.pick_device(cfg.device, local_rank)
+    device = hardware.pick_device(cfg.device, local_rank)
     dtype = train.run_dtype(cfg, device)
-    machine = Machine(dtype, train.native_dtype(device)[0], device.type == "cuda")
+    machine = Machine(dtype, hardware.native_dtype(device)[0], device.type == "cuda")
     micro = min(cfg.micro_batch_size, cfg.batch_size // world_size)
     if world_size > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -429,7 +433,7 @@ def positive(kind, most=math.inf):
 
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, not the usage block: main prints it
-        raise train.ConfigError(message)
+        raise ConfigError(message)
 
 
 def main(argv=None):
@@ -439,8 +443,8 @@ def main(argv=None):
     parser.add_argument("--gpu_memory_gib", type=gib_list, default=[80.0, 141.0],
                         help="the GPU's memory; comma-separated for several (default: 80,141)")
     parser.add_argument("--peak_tflops", type=positive(float),
-                        default=dict(train.PEAK_BF16_FLOPS)["H200"] / 1e12,
-                        help="a GPU's dense bf16 peak (default: an H100's or H200's, train.PEAK_BF16_FLOPS)")
+                        default=dict(hardware.PEAK_BF16_FLOPS)["H200"] / 1e12,
+                        help="a GPU's dense bf16 peak (default: an H100's or H200's, PEAK_BF16_FLOPS)")
     parser.add_argument("--mfu", type=positive(float, 1),
                         help="model FLOPs utilisation, 0-1 (default: the H200 record's)")
     parser.add_argument("--attn", type=variants, default=list(ATTENTION),
@@ -450,21 +454,21 @@ def main(argv=None):
     try:
         args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
         if args.sizes and any(not r.startswith("--") for r in rest):
-            raise train.ConfigError("--sizes plans the four sizes' presets: give no preset")
+            raise ConfigError("--sizes plans the four sizes' presets: give no preset")
         args.flags = rest
         config, cfg = train.parse_args(rest)
         gpus = int(os.environ.get("WORLD_SIZE", 1)) if args.measure else args.gpus
         share = cfg.batch_size // gpus
         if cfg.batch_size % gpus or share % min(cfg.micro_batch_size, share):
-            raise train.ConfigError(f"--batch_size={cfg.batch_size} does not split over {gpus} GPUs "
+            raise ConfigError(f"--batch_size={cfg.batch_size} does not split over {gpus} GPUs "
                                     f"in micro-batches of --micro_batch_size={cfg.micro_batch_size}")
         if args.measure and cfg.fsdp and gpus == 1:
-            raise train.ConfigError("--measure --fsdp shards over torchrun's processes: "
+            raise ConfigError("--measure --fsdp shards over torchrun's processes: "
                                     "run it under torchrun")
         if args.measure:
             measure(config, cfg, args)
             return 0
-    except train.ConfigError as e:
+    except ConfigError as e:
         print(f"plan.py: {e}", file=sys.stderr)
         return 2
     machine = Machine("float32" if cfg.dtype == "float32" else "bfloat16", torch.bfloat16, True)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import tiktoken
+import torch
 from tiktoken_ext.openai_public import r50k_pat_str
 from tqdm import tqdm
 
@@ -41,7 +42,7 @@ TOKENIZERS = ("gpt2", "byte")
 BATCH_DOCS = 2048  # documents per tokenizer call: enough work to keep every thread busy
 
 # -----------------------------------------------------------------------------
-# shards and meta.json: the part train.py shares
+# shards and meta.json, and the batches drawn from them: the part train.py shares
 
 def read_shard(path):
     """Memory-map a shard's tokens (read-only uint16) after checking its header."""
@@ -99,6 +100,29 @@ def load_meta(data_dir):
 
 def shard_paths(data_dir, split):
     return [Path(data_dir) / name for name in sorted(load_meta(data_dir)["shards"][split])]
+
+
+class TrainBatches:
+    """Step s's global batch is batch_size windows of block_size + 1 tokens, at window starts that a
+    generator seeded with (seed, s) draws among all windows inside the train shards. A batch depends
+    on nothing but (seed, step), so a resumed run sees the batches of the uninterrupted one, and
+    rank r takes the r-th contiguous share of it, so N processes see what one process would."""
+
+    def __init__(self, shards, block_size):
+        self.shards, self.block_size = shards, block_size
+        self.ends = np.cumsum([max(len(shard) - block_size, 0) for shard in shards])
+
+    def get(self, seed, step, batch_size, rank, world_size):
+        """This rank's inputs and targets, (batch_size // world_size, block_size) int64 each."""
+        starts = np.random.default_rng([seed, step]).integers(self.ends[-1], size=batch_size)
+        share = batch_size // world_size
+        rows = []
+        for start in starts[rank * share:(rank + 1) * share]:
+            i = np.searchsorted(self.ends, start, side="right")
+            offset = start - (self.ends[i - 1] if i else 0)
+            rows.append(self.shards[i][offset:offset + self.block_size + 1])
+        windows = torch.from_numpy(np.stack(rows).astype(np.int64))
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 # -----------------------------------------------------------------------------
 # tokenizers

@@ -23,7 +23,9 @@ import torch
 
 from fast_decode import compiled_decode
 from prepare_data import get_tokenizer
-from train import ConfigError, load_checkpoint, native_dtype, pick_device
+from checkpoint import load_checkpoint
+from configurator import ConfigError
+from hardware import native_dtype, pick_device
 
 
 class Parser(argparse.ArgumentParser):
@@ -73,7 +75,7 @@ def encode_prompt(prompt, tok):
 
 
 def decoding_dtype(ckpt, device):
-    """The precision policy (train.native_dtype) for decoding, but float32 for a run trained in
+    """The precision policy (hardware.native_dtype) for decoding, but float32 for a run trained in
     float32 on purpose: its logits are then the ones training evaluated."""
     if ckpt.get("config", {}).get("dtype") == "float32":
         return torch.float32

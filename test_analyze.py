@@ -14,6 +14,8 @@ import pytest
 import torch
 
 import analyze
+import checkpoint
+import convert
 import prepare_data
 import train
 from model import GPT, GPTConfig
@@ -290,11 +292,11 @@ def test_rank_energy_png_sees_the_heads_through_the_checkpoints_training_data(tm
         torch.save(ckpt, path)
     analyze.main([str(found)])
     run = json.loads((found.parent / "analysis.json").read_text())["runs"][0]
-    model = train.load_checkpoint(found, "cpu")[1]
+    model = checkpoint.load_checkpoint(found, "cpu")[1]
     shards = [prepare_data.read_shard(p) for p in prepare_data.shard_paths(data_dir, "train")]
-    batches = train.TrainBatches(shards, TINY.block_size)
+    batches = prepare_data.TrainBatches(shards, TINY.block_size)
     tokens = train.TrainConfig.calibration_tokens
-    covariances = train.attention_input_covariances(model, batches, tokens, 2, 8, "cpu")
+    covariances = convert.attention_input_covariances(model, batches, tokens, 2, 8, "cpu")
     assert run["rank_energy_seen"] == analyze.rank_energy(model.double(), covariances)
     assert [ax.get_title() for ax in analyze.plot_rank_energy(run, TINY.head_dim).axes] == [
         "Keys, the weights alone", "Values, the weights alone",

@@ -38,7 +38,7 @@ def test_tiny_bench_writes_a_row_per_variant(tmp_path):
     assert list(result["variants"]) == list(ATTENTION)
     assert not list(tmp_path.glob("*.tmp"))
     batch, contexts = result["decode"]["batch_size"], result["decode"]["contexts"]
-    dtype = getattr(torch, result["decode"]["dtype"])  # train.native_dtype's: bf16 on a CPU with AMX
+    dtype = getattr(torch, result["decode"]["dtype"])  # hardware.native_dtype's: bf16 on a CPU with AMX
     for name, row in result["variants"].items():
         assert row["check"]["ok"], (name, row["check"])
         train = row["train"]

@@ -18,6 +18,9 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torch.profiler import ProfilerActivity, profile
 
 import analyze
+import hardware
+import muon
+import parallel
 import plan
 import sample
 import train
@@ -60,7 +63,7 @@ def flags(**overrides):
 
 
 def fp32_newton_schulz(monkeypatch):
-    monkeypatch.setattr(train, "cpu_has_bf16", lambda: False)
+    monkeypatch.setattr(hardware, "cpu_has_bf16", lambda: False)
 
 
 def muon_steps(sharded):
@@ -75,13 +78,13 @@ def muon_steps(sharded):
     def cut(tensor):
         return distribute_tensor(tensor, mesh, [Shard(0)], src_data_rank=None) if sharded else tensor
     params = [torch.nn.Parameter(cut(w)) for w in start]
-    opt = train.Muon(params, lr=0.02, ns_dtype=torch.float32)
+    opt = muon.Muon(params, lr=0.02, ns_dtype=torch.float32)
     for step_grads in grads:
         for p, g in zip(params, step_grads):
             p.grad = cut(g)
         opt.step()
-    return ([train.gathered(p.detach()) for p in params],
-            [train.gathered(opt.state[p]["momentum_buffer"]) for p in params])
+    return ([parallel.gathered(p.detach()) for p in params],
+            [parallel.gathered(opt.state[p]["momentum_buffer"]) for p in params])
 
 
 MODES = {"one process": (False, False), "one process + AC": (False, True), "DDP": (False, False),
@@ -94,7 +97,7 @@ def planned_and_measured(fsdp, checkpointed, world_size):
                                                micro_batch_size=4, fsdp=fsdp,
                                                checkpoint_activations=checkpointed))
     micro = cfg.batch_size // world_size
-    machine = plan.Machine("float32", train.native_dtype("cpu")[0], fused_adamw=False)
+    machine = plan.Machine("float32", hardware.native_dtype("cpu")[0], fused_adamw=False)
     planned = plan.memory(model_config, cfg, world_size, micro, fsdp, checkpointed, machine)["peak"]
     return planned, plan.measured_peak(model_config, cfg, torch.device("cpu"), world_size, micro, "float32")
 

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import checkpoint
+import hardware
 import prepare_data
 import sample
 import train
@@ -34,7 +36,7 @@ def ckpt(data_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(ckpt):
-    return train.load_checkpoint(ckpt, "cpu")[1].eval()
+    return checkpoint.load_checkpoint(ckpt, "cpu")[1].eval()
 
 
 def run(capsys, ckpt, *args):
@@ -125,7 +127,7 @@ def test_the_last_line_reports_speed_and_kv_cache_bytes(capsys, ckpt):
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype).removeprefix("torch.")
         last = run(capsys, ckpt, "--temperature=0", f"--dtype={name}")[1]
-        model = train.load_checkpoint(ckpt, "cpu")[1].to(dtype)
+        model = checkpoint.load_checkpoint(ckpt, "cpu")[1].to(dtype)
         size = model.kv_cache_bytes(1, 1 + NEW, dtype)  # the default prompt is one end-of-text token
         assert size < 2**20
         cache = f"KV cache {size / 2**10:.1f} KiB ({name}, 1 x {1 + NEW} tokens)\n"
@@ -175,7 +177,7 @@ def test_auto_dtype_is_the_precision_policy_unless_the_run_chose_float32(ckpt):
     saved = torch.load(ckpt, weights_only=True)
     assert sample.decoding_dtype(saved, torch.device("cpu")) == torch.float32
     saved["config"]["dtype"] = "auto"
-    assert sample.decoding_dtype(saved, torch.device("cpu")) == train.native_dtype("cpu")[0]
+    assert sample.decoding_dtype(saved, torch.device("cpu")) == hardware.native_dtype("cpu")[0]
 
 
 def test_bad_input_is_one_line_and_exit_code_2(capsys, ckpt, tmp_path):

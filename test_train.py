@@ -15,6 +15,10 @@ import torch
 import torch.nn.functional as F
 from pydoc_data.topics import topics
 
+import checkpoint
+import convert
+import hardware
+import muon
 import prepare_data
 import train
 from model import GPT, GPTConfig
@@ -104,9 +108,9 @@ def test_two_gloo_processes_match_one(data_dir, full_run, tmp_path):
 
 def test_batches_depend_only_on_seed_step_and_rank(data_dir):
     shards = [prepare_data.read_shard(p) for p in prepare_data.shard_paths(data_dir, "train")]
-    batches = train.TrainBatches(shards, 32)
+    batches = prepare_data.TrainBatches(shards, 32)
     x, y = batches.get(seed=3, step=7, batch_size=8, rank=0, world_size=1)
-    assert torch.equal(x, train.TrainBatches(shards, 32).get(3, 7, 8, 0, 1)[0])
+    assert torch.equal(x, prepare_data.TrainBatches(shards, 32).get(3, 7, 8, 0, 1)[0])
     assert torch.equal(x[:, 1:], y[:, :-1])
     halves = [batches.get(3, 7, 8, rank, 2)[0] for rank in (0, 1)]
     assert torch.equal(torch.cat(halves), x)
@@ -140,7 +144,7 @@ def test_schedule_and_optimizers():
     model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, head_dim=16, n_embd=32,
                           attn="lrkv", lrkv_rank=4))
     muon, adamw = train.configure_optimizers(model, cfg)
-    assert isinstance(muon, train.Muon)
+    assert isinstance(muon, muon.Muon)
     assert {id(p) for p in muon.param_groups[0]["params"]} == {id(p) for p in model.blocks.parameters()}
     groups = [[id(p) for p in g["params"]] for g in adamw.param_groups]
     assert groups == [[id(model.wte.weight)], [id(model.lm_head.weight)]]
@@ -161,7 +165,7 @@ def test_muon_in_bf16_matches_torch_muon():
     start = [torch.randn(shape) for shape in shapes]
     ours = [torch.nn.Parameter(w.clone()) for w in start]
     theirs = [torch.nn.Parameter(w.clone()) for w in start]
-    opts = [train.Muon(ours, lr=lr, weight_decay=0.1, momentum=0.9, nesterov=True, ns_dtype=torch.bfloat16),
+    opts = [muon.Muon(ours, lr=lr, weight_decay=0.1, momentum=0.9, nesterov=True, ns_dtype=torch.bfloat16),
             torch.optim.Muon(theirs, lr=lr, weight_decay=0.1, momentum=0.9, nesterov=True,
                              adjust_lr_fn="original")]
     for _ in range(steps):
@@ -177,7 +181,7 @@ def test_muon_in_bf16_matches_torch_muon():
 
 
 def reference_muon_step(W, G, B, lr, weight_decay, momentum):
-    """One Muon step on one matrix, written from its definition (train.Muon's docstring) in
+    """One Muon step on one matrix, written from its definition (muon.Muon's docstring) in
     float64: B and W are updated in place."""
     B.mul_(momentum).add_(G, alpha=1 - momentum)
     X = (1 - momentum) * G + momentum * B
@@ -201,7 +205,7 @@ def test_muon_in_fp32_matches_a_float64_reference():
     ours = [torch.nn.Parameter(w.clone()) for w in start]
     ref = [w.double() for w in start]
     bufs = [torch.zeros_like(w) for w in ref]
-    opt = train.Muon(ours, lr=lr, weight_decay=wd, momentum=mu, nesterov=True, ns_dtype=torch.float32)
+    opt = muon.Muon(ours, lr=lr, weight_decay=wd, momentum=mu, nesterov=True, ns_dtype=torch.float32)
     for _ in range(steps):
         for p, W, B in zip(ours, ref, bufs):
             p.grad = torch.randn(p.shape)
@@ -215,13 +219,13 @@ def test_muon_in_fp32_matches_a_float64_reference():
 
 
 def test_native_dtype_is_fp32_where_bf16_would_be_emulated(monkeypatch):
-    monkeypatch.setattr(train, "cpu_has_bf16", lambda: False)
-    assert train.native_dtype("cpu")[0] == torch.float32
-    assert train.Muon([torch.nn.Parameter(torch.ones(2, 2))]).ns_dtype == torch.float32
-    monkeypatch.setattr(train, "cpu_has_bf16", lambda: True)
-    assert train.native_dtype("cpu")[0] == torch.bfloat16
-    assert train.Muon([torch.nn.Parameter(torch.ones(2, 2))]).ns_dtype == torch.bfloat16
-    assert train.native_dtype("meta")[0] == torch.float32
+    monkeypatch.setattr(hardware, "cpu_has_bf16", lambda: False)
+    assert hardware.native_dtype("cpu")[0] == torch.float32
+    assert muon.Muon([torch.nn.Parameter(torch.ones(2, 2))]).ns_dtype == torch.float32
+    monkeypatch.setattr(hardware, "cpu_has_bf16", lambda: True)
+    assert hardware.native_dtype("cpu")[0] == torch.bfloat16
+    assert muon.Muon([torch.nn.Parameter(torch.ones(2, 2))]).ns_dtype == torch.bfloat16
+    assert hardware.native_dtype("meta")[0] == torch.float32
 
 
 # a shape group of 1, of 3 and of 4 matrices: over two ranks, one rank idle, one padded, one even split
@@ -233,7 +237,7 @@ def muon_steps():
     is up: every rank draws the same gradients, as DDP would hand them."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(shape)) for shape in MUON_SHAPES]
-    opt = train.Muon(params, lr=0.02)
+    opt = muon.Muon(params, lr=0.02)
     for _ in range(3):
         for p in params:
             p.grad = torch.randn(p.shape)
@@ -269,10 +273,10 @@ dist.destroy_process_group()
 
 def test_a_kill_while_saving_keeps_the_previous_checkpoint(tmp_path):
     path = tmp_path / "ckpt.pt"
-    train.save_checkpoint(path, {"step": 1, "w": torch.ones(3)})
+    checkpoint.save_checkpoint(path, {"step": 1, "w": torch.ones(3)})
     # the child writes part of the new checkpoint, says so, and waits to be killed
     child = subprocess.Popen([sys.executable, "-c", f"""
-import io, time, torch, train
+import io, time, torch, checkpoint
 from pathlib import Path
 real_save = torch.save
 def half_save(obj, f):
@@ -283,7 +287,7 @@ def half_save(obj, f):
     print("saving", flush=True)
     time.sleep(60)
 torch.save = half_save
-train.save_checkpoint(Path({str(path)!r}), {{"step": 2, "w": torch.zeros(1000)}})
+checkpoint.save_checkpoint(Path({str(path)!r}), {{"step": 2, "w": torch.zeros(1000)}})
 """], cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert child.stdout.readline() == "saving\n"
     child.send_signal(signal.SIGKILL)
@@ -385,8 +389,8 @@ def test_calibration_records_the_normalised_inputs_each_attention_sees(data_dir)
         for p in model.parameters():
             p.normal_(0, 0.3)
     shards = [prepare_data.read_shard(p) for p in prepare_data.shard_paths(data_dir, "train")]
-    batches = train.TrainBatches(shards, 32)
-    covariances = train.attention_input_covariances(model, batches, 100, 3, 3, "cpu")
+    batches = prepare_data.TrainBatches(shards, 32)
+    covariances = convert.attention_input_covariances(model, batches, 100, 3, 3, "cpu")
     windows = batches.get(3, 0, 4, 0, 1)[0]
     with torch.no_grad():
         # GPT normalises the embedding, then each block its input to the attention
@@ -406,15 +410,15 @@ def test_calibration_changes_a_low_rank_conversion_and_zero_tokens_is_the_weight
     source_args = torch.load(full_run / "ckpt.pt", weights_only=True)["model_args"]
     model_config = GPTConfig(**{**source_args, "lrkv_rank": 2})
     shards = [prepare_data.read_shard(p) for p in prepare_data.shard_paths(data_dir, "train")]
-    batches = train.TrainBatches(shards, 32)
-    source = train.load_checkpoint(full_run / "ckpt.pt", "cpu")[1]
+    batches = prepare_data.TrainBatches(shards, 32)
+    source = checkpoint.load_checkpoint(full_run / "ckpt.pt", "cpu")[1]
     for tokens in (0, 256):
         cfg.calibration_tokens = tokens
-        state = train.load_init_checkpoint(cfg, model_config, batches, torch.device("cpu"))
+        state = convert.load_init_checkpoint(cfg, model_config, batches, torch.device("cpu"))
         expected = GPT(model_config)
         covariances = None
         if tokens:
-            covariances = train.attention_input_covariances(source, batches, 256, 1, 16, "cpu")
+            covariances = convert.attention_input_covariances(source, batches, 256, 1, 16, "cpu")
         expected.convert_from(source, covariances)
         assert all(torch.equal(state[k], v) for k, v in expected.state_dict().items()), tokens
         if not tokens:
@@ -432,7 +436,7 @@ def test_distill_loss_mixes_cross_entropy_with_the_kl_to_the_teachers_distributi
             p.normal_(0, 0.3)
     idx, targets = torch.randint(0, 256, (2, 2, 32))
     logits, cross_entropy = student(idx, targets)
-    loss = train.distill_loss(cross_entropy, logits, teacher, idx, 0.25)
+    loss = convert.distill_loss(cross_entropy, logits, teacher, idx, 0.25)
     with torch.no_grad():
         p_teacher = torch.softmax(teacher(idx)[0].double(), dim=-1)
     kl = (p_teacher * (p_teacher.log() - torch.log_softmax(logits.double(), dim=-1))).sum(-1).mean()

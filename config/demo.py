@@ -33,7 +33,7 @@ unembedding_lr = 0.008
 eval_interval = 50  # often enough for analyze.py's loss curves
 # fp32 even where the CPU has bf16 instructions: at 96 wide the casts cost more than bf16 saves (an
 # AMX CPU, one thread: forward + backward 55 ms in fp32, 91 ms under bf16 autocast). Muon's
-# Newton-Schulz still follows train.native_dtype.
+# Newton-Schulz still follows hardware.native_dtype.
 dtype = "float32"
 eval_tokens = 128 * 128  # the pydocs val split holds ~21.6k tokens (Python 3.11); other Pythons ship other docs
 log_interval = 25
