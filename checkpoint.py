@@ -1,7 +1,8 @@
 """
 What a run leaves in its out_dir, each format built and read side by side: ckpt.pt
 (checkpoint_dict and save_checkpoint write it; load_checkpoint and restore read it) and log.jsonl
-(log writes it; read_log and start_log read it). sample.py and analyze.py read both.
+(log writes it; read_log and start_log read it), and what a checkpoint must match to be resumed
+(RESUME_FLAGS). sample.py and analyze.py read both.
 """
 
 import dataclasses
@@ -122,3 +123,30 @@ def start_log(out_dir, resume_step):
     (the stopped run may have logged past it), so the log reads as one uninterrupted run."""
     kept = [r for r in read_log(out_dir) if r["step"] <= resume_step] if resume_step is not None else []
     (Path(out_dir) / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+
+# The flags that decide what a run computes besides the model's: a resumed run must be given the
+# ones it was trained with, or it would go on as another run than the one it continues (and the
+# checkpoints it writes would describe that one). Data, device, dtype, compilation, micro-batching,
+# the evaluation and log cadence and stop_after may change from one job of a run to the next.
+RESUME_FLAGS = ("batch_size", "max_steps", "warmup_steps", "optimizer", "muon_lr", "adamw_lr", "embedding_lr",
+                "unembedding_lr", "weight_decay", "grad_clip", "eval_tokens", "seed", "init_from", "distill")
+
+
+def load_resume_checkpoint(cfg, model_config):
+    """load_checkpoint(out_dir/ckpt.pt), checked to hold the model the flags describe, trained with
+    the flags in RESUME_FLAGS."""
+    path = Path(cfg.out_dir) / "ckpt.pt"
+    if not path.exists():
+        raise ConfigError(f"--resume: there is no {path} to resume from")
+    ckpt, model = load_checkpoint(path)
+    # a checkpoint from before a flag existed ran with its default
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    saved = {**ckpt["model_args"], **{k: ckpt["config"].get(k, defaults[k]) for k in RESUME_FLAGS}}
+    wanted = {**dataclasses.asdict(model_config), **{k: getattr(cfg, k) for k in RESUME_FLAGS}}
+    changed = ", ".join(f"{k}={saved[k]!r} (flags: {wanted.get(k)!r})" for k in saved
+                        if saved[k] != wanted.get(k))
+    if changed:
+        raise ConfigError(f"--resume: {path} was trained with {changed}; give the flags of the run it "
+                          "continues")
+    return ckpt, model

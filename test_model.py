@@ -75,7 +75,7 @@ def grouped_keys_values(kv_heads):
 
 
 def lrkv_keys_values(attn, x, config):
-    """Eq. 6 per head: W_h = W_shared + B_h U_h, built whole."""
+    """Eq. 6 per head: W_h = W_shared + U_h B_h^T, built whole (transposed, as nn.Linear holds it)."""
     H, d_h, r = config.n_head, config.head_dim, attn.lrkv_rank  # the layer's own rank
     U_k, U_v = (U.weight.double().view(H, r, -1) for U in (attn.U_k, attn.U_v))
     B_k, B_v = (B.double().view(H, d_h, r) for B in (attn.B_k, attn.B_v))

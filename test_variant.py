@@ -185,7 +185,7 @@ def interleaved_head_keys(layer, x, c):
 
 
 def lrk_keys_values(attn, x, config):
-    """Each head's key projection W_shared^K + B_h U_h built whole, and the one shared value."""
+    """Each head's key projection W_shared^K + U_h B_h^T built whole, and the one shared value."""
     H, d_h, r = config.n_head, config.head_dim, config.lrkv_rank
     U, B = attn.U_k.weight.double().view(H, r, -1), attn.B_k.double().view(H, d_h, r)
     keys = [x[0] @ (attn.W_shared_k.weight.double() + B[h] @ U[h]).t() for h in range(H)]

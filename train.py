@@ -12,13 +12,12 @@ Train one attention variant of model.py's GPT on token shards written by prepare
 Every field of GPTConfig (model.py) and TrainConfig (below) is a --name=value flag, and a
 positional argument is a preset, a Python file assigning field names (configurator.py). The run
 prints its progress, writes the same records to out_dir/log.jsonl for plotting, and saves
-out_dir/ckpt.pt after every evaluation (checkpoint.py). Read top-down: the config, main (checks,
-then train), the loop, its pieces (optimisers, schedule, backward, evaluation), the data, and
-what a resumed run must match. The rest lives beside it: muon.py the optimiser, parallel.py DDP
+out_dir/ckpt.pt after every evaluation (checkpoint.py, which also says what a resumed run must
+match). Read top-down: the config, main (checks, then train), the loop, its pieces (optimisers,
+schedule, backward, evaluation) and the data. The rest lives beside it: muon.py the optimiser, parallel.py DDP
 and FSDP, convert.py --init_from, hardware.py the device and precision.
 """
 
-import dataclasses
 import math
 import sys
 import time
@@ -32,8 +31,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import configurator
-from checkpoint import (EVALS, checkpoint_dict, load_checkpoint, log, log_eval, restore, save_checkpoint,
-                        start_log)
+from checkpoint import (EVALS, checkpoint_dict, load_checkpoint, load_resume_checkpoint, log, log_eval,
+                        restore, save_checkpoint, start_log)
 from configurator import ConfigError
 from convert import distill_loss, load_init_checkpoint
 from hardware import PRECISION_NAMES, native_dtype, peak_flops, pick_device
@@ -379,7 +378,7 @@ def evaluate(model, val_tokens, bytes_per_token, block_size, batch_size, autocas
 
 
 # ---------------------------------------------------------------------------------------------
-# The data, and what a resumed run must match
+# The data
 
 def load_data(cfg, model_config):
     """meta.json, the train batches, the validation slice and each token's UTF-8 length, or a
@@ -417,33 +416,6 @@ def load_data(cfg, model_config):
                           f"--eval_tokens={cfg.eval_tokens} needs {needed}: lower --eval_tokens")
     val_tokens = torch.from_numpy(np.concatenate(parts).astype(np.int64))
     return meta, batches, val_tokens, bytes_per_token
-
-
-# The flags that decide what a run computes besides the model's: a resumed run must be given the
-# ones it was trained with, or it would go on as another run than the one it continues (and the
-# checkpoints it writes would describe that one). Data, device, dtype, compilation, micro-batching,
-# the evaluation and log cadence and stop_after may change from one job of a run to the next.
-RESUME_FLAGS = ("batch_size", "max_steps", "warmup_steps", "optimizer", "muon_lr", "adamw_lr", "embedding_lr",
-                "unembedding_lr", "weight_decay", "grad_clip", "eval_tokens", "seed", "init_from", "distill")
-
-
-def load_resume_checkpoint(cfg, model_config):
-    """load_checkpoint(out_dir/ckpt.pt), checked to hold the model the flags describe, trained with
-    the flags in RESUME_FLAGS."""
-    path = Path(cfg.out_dir) / "ckpt.pt"
-    if not path.exists():
-        raise ConfigError(f"--resume: there is no {path} to resume from")
-    ckpt, model = load_checkpoint(path)
-    # a checkpoint from before a flag existed ran with its default
-    saved = {**ckpt["model_args"], **{k: ckpt["config"].get(k, TrainConfig.__dataclass_fields__[k].default)
-                                      for k in RESUME_FLAGS}}
-    wanted = {**dataclasses.asdict(model_config), **{k: getattr(cfg, k) for k in RESUME_FLAGS}}
-    changed = ", ".join(f"{k}={saved[k]!r} (flags: {wanted.get(k)!r})" for k in saved
-                        if saved[k] != wanted.get(k))
-    if changed:
-        raise ConfigError(f"--resume: {path} was trained with {changed}; give the flags of the run it "
-                          "continues")
-    return ckpt, model
 
 
 if __name__ == "__main__":
