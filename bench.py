@@ -359,9 +359,10 @@ def backend_times(ms):
 
 def markdown(result):
     variants, tr, de = result["variants"], result["train"], result["decode"]
+    baseline = variants.get(BASELINE, {})  # none with --only=peaks
     lines = [f"bench.py --preset={result['preset']}: {result['device']}, torch {result['torch']}, "
              f"{result['date']}"]
-    if "train" in variants[BASELINE]:
+    if "train" in baseline:
         mode = "compiled" if tr["compile"] else "eager"
         lines += ["", f"Training: {tr['batch_size']} x {tr['seq_len']} tokens a step, {tr['dtype']}, {mode}, "
                       f"median of {tr['steps']} steps after {tr['warmup']}", "",
@@ -372,7 +373,7 @@ def markdown(result):
             mfu = "-" if t["mfu"] is None else f"{100 * t['mfu']:.1f}%"
             lines.append(f"| {name} | {t['ms_per_step']:.1f} | {t['optimizer_ms']:.1f} | "
                          f"{t['tokens_per_s']:,.0f} | {mfu} | {t['x_mha']:.2f} |")
-    if "decode" in variants[BASELINE]:
+    if "decode" in baseline:
         lines += ["", f"Decoding: {de['dtype']}, the {de['new_tokens']} new tokens "
                       "that fill the cache up to the context, every variant in turn in each of "
                       f"{de['rounds']} rounds; ms/token: back to back, one sync, median round; a step alone: "
@@ -399,7 +400,7 @@ def markdown(result):
             u = v["uncached"]
             lines.append(f"| {name} | {u['cached_ms_per_token']:.2f} | {u['cached_ms_per_step']:.2f} | "
                          f"{u['uncached_ms_per_token']:.2f} | {u['speedup']:.1f}x |")
-    if "check" in variants[BASELINE]:
+    if "check" in baseline:
         lines += ["", "| variant | flash attention, forward and backward | attention in the training step | "
                       "cached vs full logits, rel. error |", "|---|---|---|---|"]
         for name, v in variants.items():
@@ -449,8 +450,9 @@ def main(argv=None):
                              "attention kernels training runs and time MHA with each SDPA backend")
     parser.add_argument("--peaks", action="store_true",
                         help="first measure a roofline's ceilings: matmul FLOP/s and memory read bandwidth")
-    parser.add_argument("--only", choices=("train", "decode"),
-                        help="measure training or decoding alone (default: both)")
+    parser.add_argument("--only", choices=("train", "decode", "peaks"),
+                        help="measure training, decoding or --peaks' ceilings alone (default: training and "
+                             "decoding)")
     parser.add_argument("--attn", type=variants, default=list(ATTENTION),
                         help="comma-separated variants, measured in this order after MHA, which every row is "
                              "relative to (default: all)")
@@ -498,7 +500,7 @@ def main(argv=None):
                     dtype=str(dtype).removeprefix("torch.")),
         variants={},
     )
-    if args.peaks:
+    if args.peaks or args.only == "peaks":
         result["peaks"] = measure_peaks(preset, device, dtype)
         for p in result["peaks"]:
             log(ceilings(p))
@@ -508,7 +510,7 @@ def main(argv=None):
         ms = result["mha_sdpa_ms"] = sdpa_backend_ms(baseline, preset, device)
         log(f"{BASELINE}, eager, per SDPA backend: {backend_times(ms)}")
         save(result, args.out)
-    for attn in dict.fromkeys((BASELINE, *args.attn)):
+    for attn in dict.fromkeys((BASELINE, *args.attn)) if args.only != "peaks" else ():
         config = GPTConfig(attn=attn, **preset["model"])
         row = result["variants"][attn] = {}
         if args.check:
@@ -516,7 +518,7 @@ def main(argv=None):
             ch = row["check"]
             log(f"{attn}: flash attention {ch['flash_error'] or 'ok'}; "
                 f"cached vs full logits {ch['decode_rel_err']:.1e}")
-        if args.only != "decode":
+        if args.only in (None, "train"):
             log(f"{attn}: training")
             row["train"] = bench_train(config, preset, device, dtype, compile, profile=args.check)
             t = row["train"]
@@ -530,7 +532,7 @@ def main(argv=None):
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         save(result, args.out)
-    if args.only != "train":
+    if args.only in (None, "decode"):
         log("decoding, every variant in turn")
 
         def measured(rows):

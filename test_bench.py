@@ -119,14 +119,14 @@ def test_bad_decode_flags_are_refused_in_one_line(flag, message, tmp_path, capsy
 
 def test_peaks_measures_both_ceilings_per_thread_count(tmp_path, capsys):
     """--peaks: a matmul's FLOP/s and a read's bandwidth, on a CPU at 1 thread and at torch's own
-    number, which it leaves as it found it."""
+    number, which it leaves as it found it; --only=peaks measures nothing else."""
     out = tmp_path / "bench.json"
     threads = torch.get_num_threads()
-    bench.main(["--preset=tiny", "--device=cpu", "--only=decode", "--no-compiled_decode", "--attn=mha",
-                "--peaks", f"--out={out}"])
-    peaks = strict_json(out.read_text())["peaks"]
+    bench.main(["--preset=tiny", "--device=cpu", "--only=peaks", f"--out={out}"])
+    result = strict_json(out.read_text())
     assert torch.get_num_threads() == threads
-    assert [p["threads"] for p in peaks] == sorted({1, threads})
-    assert all(positive_numbers(p, "matmul_gflops", "read_gb_per_s") for p in peaks)
-    assert all(p["matmul"].startswith("256^3 ") for p in peaks)
-    assert "Ceilings (measure_peaks, best of 5): 1 thread: 256^3" in capsys.readouterr().out
+    assert result["variants"] == {}
+    assert [p["threads"] for p in result["peaks"]] == sorted({1, threads})
+    assert all(positive_numbers(p, "matmul_gflops", "read_gb_per_s") for p in result["peaks"])
+    assert all(p["matmul"] == f"256^3 {result['decode']['dtype']}" for p in result["peaks"])  # its dtype
+    assert "Ceilings (measure_peaks, best of 5): 1 thread: 256^3 " in capsys.readouterr().out
