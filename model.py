@@ -479,7 +479,8 @@ class LowRankKVAttention(Attention):
         N, S, H, r = r_k.shape
         chunk_bytes = 2**25 if r_k.is_cuda else 2**22
         chunk = max(1, chunk_bytes // (N * H * r * r_k.element_size()))
-        return torch.cat([torch.linalg.vecdot((rope[s:s + chunk] @ M).view(N, -1, H, r), r_k[:, s:s + chunk])
+        # the dot product over r in place in the GEMM's fresh result: no second chunk-sized tensor
+        return torch.cat([(rope[s:s + chunk] @ M).view(N, -1, H, r).mul_(r_k[:, s:s + chunk]).sum(-1)
                           for s in range(0, S, chunk)], dim=1)
 
     # the value half
