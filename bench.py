@@ -9,23 +9,29 @@ bf16 is native; torch.compile on a GPU), timed after warm-up, median of several 
 tokens/s, MFU and the time relative to MHA.
 
 Decoding: prefill a prompt, then feed one token at a time until the KV cache, sized to the
-context length, is full, every variant in turn over several rounds (bench_decode): ms per new
+context length, is full, every variant in turn over several rounds (bench_decode), at every
+decode batch size and context of the preset or of --decode_batch and --contexts: ms per new
 token back to back and a step alone, tokens/s, the MiB its buffers hold and their share of
-MHA's. At the shortest context, generate() with and without the cache shows what the cache
-buys. Decoding holds weights and cache alike in the native dtype, as a server would (autocast
+MHA's. At the first batch size and context, generate() with and without the cache shows what
+the cache buys. Decoding holds weights and cache alike in the native dtype, as a server would (autocast
 would re-cast every weight at every token). Eager, the caches grow by one position a step and on
 a GPU every step pays its kernel launches; compiled, the step runs on fixed shapes
 (fast_decode.py: the whole cache under a position mask), as one CUDA graph on a GPU; the seconds
 its compiling takes are reported apart.
 
     python bench.py --preset=cpu
+    python bench.py --preset=cpu --only=decode --decode_batch=1,16 --contexts=2048,8192
     python bench.py --preset=128m --device=cuda --check --out=bench_gpu.json
+
+With --peaks, first the two ceilings of a roofline (measure_peaks): a square matmul's FLOP/s and
+the bandwidth of reading a tensor much larger than the caches.
 
 Prints markdown tables and writes the same numbers to --out as JSON, rewritten after each
 variant's training and after decoding, so that a run cut short keeps what it measured.
 """
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -42,28 +48,28 @@ from torch.autograd import DeviceType
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fast_decode import compiled_step, fix
+from hardware import PRECISION_NAMES, native_dtype, peak_flops
 from model import ATTENTION, GPT, GPTConfig
 from prepare_data import atomic_open
-from hardware import PRECISION_NAMES, native_dtype, peak_flops
 from train import TrainConfig, configure_optimizers, optimizer_step
 
 PRESETS = {
     # The paper's 128M model and batch: 16 x 2048 tokens a step. Decoding a batch of 16 makes
     # reading the cache a visible share of a step next to the kernel launches.
     "128m": dict(model={}, batch_size=16, seq_len=2048, warmup=3, steps=10,
-                 decode_batch=16, contexts=(512, 2048), new_tokens=32),
+                 decode_batches=(16,), contexts=(512, 2048), new_tokens=32, peaks=(8192, 4096)),
     # One layer of the 128M as it is (6 heads x 128, r = 46, d_c = 128 + 64) and its vocabulary
     # per layer (50304 / 12 ~ 4096), so that each variant's projections weigh what they weigh at
     # 128M: under 3 minutes on 2 cores, compiling included (docs/benchmarks.md). Muon's share of
     # a step is not the 128M's: its Newton-Schulz iterations cost the same at 1,024 tokens a step
     # as at 32,768.
     "cpu": dict(model=dict(n_layer=1, vocab_size=4096), batch_size=1, seq_len=1024, warmup=1, steps=3,
-                decode_batch=1, contexts=(512, 2048), new_tokens=32),
+                decode_batches=(1,), contexts=(512, 2048), new_tokens=32, peaks=(4096, 1024)),
     # For the test: seconds on a CPU.
     "tiny": dict(model=dict(block_size=64, vocab_size=256, n_layer=2, n_head=4, n_embd=64, head_dim=16,
                             n_kv_head=2, kv_lora_rank=16, rope_head_dim=8, lrkv_rank=4),
-                 batch_size=2, seq_len=64, warmup=1, steps=2, decode_batch=2, contexts=(32, 64),
-                 new_tokens=4),
+                 batch_size=2, seq_len=64, warmup=1, steps=2, decode_batches=(2,), contexts=(32, 64),
+                 new_tokens=4, peaks=(256, 64)),
 }
 # Every row is relative to the registry's first variant, MHA, as the paper compares everything with
 # it; the JSON keys x_mha and cache_pct_mha say so
@@ -210,22 +216,24 @@ def bench_train(config, preset, device, dtype, compile, profile):
 
 @torch.inference_mode()
 def bench_decode(configs, preset, device, dtype, compiled, measured=lambda rows: None):
-    """{variant: (rows, generate's row)} for every config at once, interleaved. Per context, each
-    variant is prefilled to the same position; then in each of DECODE_ROUNDS rounds every variant
-    in turn runs the n steps that fill its cache, over the same positions each round, twice: each
-    step on its own (the device drained before and after it) and back to back with one drain at
-    the end, as generate() runs them (on a GPU the host then queues the next step while the
-    device runs this one). A machine whose load drifts (a busy CPU) slows every variant of a round
-    alike, where variants measured one after another would each see another load. ms_per_token:
-    the median of the back-to-back rounds; step_alone_ms_per_token: the median single step. With
-    compiled, then the same rounds of the compiled fixed-shape step, compiled (a graph per variant
-    and context) before they start: compiled_ms_per_token. measured(rows) is called after each
-    context with the rows so far, so that a run cut short keeps them."""
-    B, n = preset["decode_batch"], preset["new_tokens"]
+    """{variant: (rows, generate's row)} for every config at once, interleaved: a row per decode
+    batch size and context (the preset's decode_batches and contexts), batch by batch. Per batch
+    size and context, each variant is prefilled to the same position; then in each of
+    DECODE_ROUNDS rounds every variant in turn runs the n steps that fill its cache, over the same
+    positions each round, twice: each step on its own (the device drained before and after it)
+    and back to back with one drain at the end, as generate() runs them (on a GPU the host then
+    queues the next step while the device runs this one). A machine whose load drifts (a busy
+    CPU) slows every variant of a round alike, where variants measured one after another would
+    each see another load. ms_per_token: the median of the back-to-back rounds;
+    step_alone_ms_per_token: the median single step. With compiled, then the same rounds of the
+    compiled fixed-shape step, compiled (a graph per variant, batch size and context) before they
+    start: compiled_ms_per_token. measured(rows) is called after each batch size and context with
+    the rows so far, so that a run cut short keeps them."""
+    n = preset["new_tokens"]
     models = {attn: inference_model(config, device, dtype) for attn, config in configs.items()}
     vocab_size = next(iter(configs.values())).vocab_size  # one preset: the same for every variant
     rows = {attn: [] for attn in configs}
-    for L in preset["contexts"]:
+    for B, L in itertools.product(preset["decode_batches"], preset["contexts"]):
         prompt = torch.randint(vocab_size, (B, L - DECODE_WARMUP - n), device=device)
         state = {}
         for attn, model in models.items():
@@ -253,14 +261,15 @@ def bench_decode(configs, preset, device, dtype, compiled, measured=lambda rows:
             ms = 1000 * statistics.median(back_to_back)
             mib = sum(buf.nbytes for cache in caches for buf in cache.buffers()) / MIB
             compiled_ms, compile_s = fixed.get(attn, (None, None))
-            rows[attn].append(dict(context=L, ms_per_token=ms, tokens_per_s=B * 1000 / ms,
+            rows[attn].append(dict(batch_size=B, context=L, ms_per_token=ms, tokens_per_s=B * 1000 / ms,
                                    step_alone_ms_per_token=1000 * statistics.median(alone), cache_mib=mib,
                                    compiled_ms_per_token=compiled_ms, compile_s=compile_s))
         del state
         measured(rows)
     # generate() prefills and samples as a user would: per new token, prefill included, and (from
     # the difference with a 1-token call) per step, at the same batch and context as the first row
-    prompt = torch.randint(vocab_size, (B, preset["contexts"][0] - n), device=device)
+    B, L = preset["decode_batches"][0], preset["contexts"][0]
+    prompt = torch.randint(vocab_size, (B, L - n), device=device)
     result = {}
     for attn, model in models.items():
         seconds = {}
@@ -270,7 +279,7 @@ def bench_decode(configs, preset, device, dtype, compiled, measured=lambda rows:
             seconds[use_cache, new] = clock(device) - t0
         cached, uncached = 1000 * seconds[True, n] / n, 1000 * seconds[False, n] / n
         step = 1000 * (seconds[True, n] - seconds[True, 1]) / (n - 1)
-        result[attn] = rows[attn], dict(context=preset["contexts"][0], new_tokens=n,
+        result[attn] = rows[attn], dict(batch_size=B, context=L, new_tokens=n,
                                         cached_ms_per_token=cached, cached_ms_per_step=step,
                                         uncached_ms_per_token=uncached, speedup=uncached / cached)
     return result
@@ -305,6 +314,40 @@ def compiled_rounds(models, state, n, device):
     return {attn: (1000 * statistics.median(t), compile_s[attn]) for attn, t in times.items()}
 
 
+def measure_peaks(preset, device, dtype):
+    """The roofline's ceilings, each the best of 5 after one untimed run: the FLOP/s of an n x n x n
+    matmul in dtype, and the bytes per second of summing an fp32 tensor of mib MiB, whose one add
+    per element (4 bytes) leaves it bound by reading memory, as reading a decoding cache is.
+    (n, mib) is the preset's peaks. On a CPU at 1 thread and at all of torch's threads."""
+    n, mib = preset["peaks"]
+    a, b = torch.randn(2, n, n, device=device).to(dtype)
+    x = torch.ones(mib * MIB // 4, device=device)
+
+    def best_seconds(f):
+        f()
+        times = []
+        for _ in range(5):
+            t0 = clock(device)
+            f()
+            times.append(clock(device) - t0)
+        return min(times)
+
+    threads = torch.get_num_threads()
+    rows = []
+    for t in sorted({1, threads}) if device.type == "cpu" else [threads]:
+        torch.set_num_threads(t)
+        rows.append(dict(threads=t, matmul=f"{n}^3 {str(dtype).removeprefix('torch.')}",
+                         matmul_gflops=2 * n**3 / best_seconds(lambda: a @ b) / 1e9,
+                         read_gb_per_s=x.nbytes / best_seconds(x.sum) / 1e9))
+    torch.set_num_threads(threads)
+    return rows
+
+
+def ceilings(p):
+    return (f"{p['threads']} thread{'s' * (p['threads'] > 1)}: {p['matmul']} matmul "
+            f"{p['matmul_gflops']:,.0f} GFLOP/s, reading memory {p['read_gb_per_s']:.1f} GB/s")
+
+
 def save(result, path):
     with atomic_open(path) as f:
         f.write(json.dumps(result, indent=1, allow_nan=False).encode())
@@ -317,9 +360,10 @@ def backend_times(ms):
 
 def markdown(result):
     variants, tr, de = result["variants"], result["train"], result["decode"]
+    baseline = variants.get(BASELINE, {})  # none with --only=peaks
     lines = [f"bench.py --preset={result['preset']}: {result['device']}, torch {result['torch']}, "
              f"{result['date']}"]
-    if "train" in variants[BASELINE]:
+    if "train" in baseline:
         mode = "compiled" if tr["compile"] else "eager"
         lines += ["", f"Training: {tr['batch_size']} x {tr['seq_len']} tokens a step, {tr['dtype']}, {mode}, "
                       f"median of {tr['steps']} steps after {tr['warmup']}", "",
@@ -330,25 +374,25 @@ def markdown(result):
             mfu = "-" if t["mfu"] is None else f"{100 * t['mfu']:.1f}%"
             lines.append(f"| {name} | {t['ms_per_step']:.1f} | {t['optimizer_ms']:.1f} | "
                          f"{t['tokens_per_s']:,.0f} | {mfu} | {t['x_mha']:.2f} |")
-    if "decode" in variants[BASELINE]:
-        lines += ["", f"Decoding: batch {de['batch_size']}, {de['dtype']}, the {de['new_tokens']} new tokens "
+    if "decode" in baseline:
+        lines += ["", f"Decoding: {de['dtype']}, the {de['new_tokens']} new tokens "
                       "that fill the cache up to the context, every variant in turn in each of "
                       f"{de['rounds']} rounds; ms/token: back to back, one sync, median round; a step alone: "
                       "synced before and after, median step", "",
-                  "| variant | context | ms/token | tokens/s | ms a step alone | compiled ms/token | "
+                  "| variant | batch | context | ms/token | tokens/s | ms a step alone | compiled ms/token | "
                   "x MHA compiled | compiling, s | cache MiB | % of MHA cache | x MHA time |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for name, v in variants.items():
             for d in v["decode"]:
                 compiled = "-" if d["compiled_ms_per_token"] is None else f"{d['compiled_ms_per_token']:.2f}"
                 x_compiled = "-" if d["compiled_x_mha"] is None else f"{d['compiled_x_mha']:.2f}"
                 compile_s = "-" if d["compile_s"] is None else f"{d['compile_s']:.1f}"
-                lines.append(f"| {name} | {d['context']} | {d['ms_per_token']:.2f} | "
+                lines.append(f"| {name} | {d['batch_size']} | {d['context']} | {d['ms_per_token']:.2f} | "
                              f"{d['tokens_per_s']:,.0f} | {d['step_alone_ms_per_token']:.2f} | {compiled} | "
                              f"{x_compiled} | {compile_s} | {d['cache_mib']:.1f} | "
                              f"{d['cache_pct_mha']:.1f} | {d['x_mha']:.2f} |")
         n = de["new_tokens"]
-        lines += ["", f"generate() with and without the cache: batch {de['batch_size']}, {n} new tokens "
+        lines += ["", f"generate() with and without the cache: batch {de['batch_sizes'][0]}, {n} new tokens "
                       f"after {de['contexts'][0] - n}, ms per new token, prefill included, and per step "
                       f"(the {n}-token call less a 1-token call, per extra token)", "",
                   "| variant | cached | cached, per step | uncached | cache speedup |",
@@ -357,7 +401,7 @@ def markdown(result):
             u = v["uncached"]
             lines.append(f"| {name} | {u['cached_ms_per_token']:.2f} | {u['cached_ms_per_step']:.2f} | "
                          f"{u['uncached_ms_per_token']:.2f} | {u['speedup']:.1f}x |")
-    if "check" in variants[BASELINE]:
+    if "check" in baseline:
         lines += ["", "| variant | flash attention, forward and backward | attention in the training step | "
                       "cached vs full logits, rel. error |", "|---|---|---|---|"]
         for name, v in variants.items():
@@ -366,6 +410,8 @@ def markdown(result):
             verdict = "ok" if ch["decode_rel_err"] < ch["decode_tol"] else "FAIL"
             lines.append(f"| {name} | {ch['flash_error'] or 'ok'} | {used} | {ch['decode_rel_err']:.1e} "
                          f"({verdict}: tolerance {ch['decode_tol']:.0e}) |")
+    if "peaks" in result:
+        lines += ["", f"Ceilings (measure_peaks, best of 5): {'; '.join(map(ceilings, result['peaks']))}"]
     if "mha_sdpa_ms" in result:
         lines += ["", "MHA's forward and backward, eager, per SDPA backend: "
                       f"{backend_times(result['mha_sdpa_ms'])}"]
@@ -380,6 +426,17 @@ def variants(text):
     return names
 
 
+def positive_ints(text):
+    """--decode_batch's and --contexts' values: distinct positive integers, comma-separated."""
+    try:
+        values = [int(value) for value in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1 or len(set(values)) < len(values):
+        raise argparse.ArgumentTypeError(f"{text!r}: not distinct positive integers, comma-separated")
+    return values
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=PRESETS, default="cpu")
@@ -392,16 +449,35 @@ def main(argv=None):
     parser.add_argument("--check", action="store_true",
                         help="also check flash attention and cached decoding; on a GPU, record which "
                              "attention kernels training runs and time MHA with each SDPA backend")
-    parser.add_argument("--only", choices=("train", "decode"),
-                        help="measure training or decoding alone (default: both)")
+    parser.add_argument("--peaks", action="store_true",
+                        help="first measure a roofline's ceilings: matmul FLOP/s and memory read bandwidth")
+    parser.add_argument("--only", choices=("train", "decode", "peaks"),
+                        help="measure training, decoding or --peaks' ceilings alone (default: training and "
+                             "decoding)")
     parser.add_argument("--attn", type=variants, default=list(ATTENTION),
                         help="comma-separated variants, measured in this order after MHA, which every row is "
                              "relative to (default: all)")
+    parser.add_argument("--decode_batch", type=positive_ints,
+                        help="comma-separated batch sizes to decode at, each at every context (default: the "
+                             "preset's)")
+    parser.add_argument("--contexts", type=positive_ints,
+                        help="comma-separated context lengths (the positions each decoding cache holds) "
+                             "(default: the preset's); the model's block_size grows to the longest")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="training autocast, Newton-Schulz and decoding; auto: hardware.native_dtype's")
     parser.add_argument("--out", default="out/bench.json")
     args = parser.parse_args(argv)
-    preset, device = PRESETS[args.preset], torch.device(args.device)
+    preset, device = dict(PRESETS[args.preset]), torch.device(args.device)
+    preset["decode_batches"] = args.decode_batch or preset["decode_batches"]
+    preset["contexts"] = args.contexts or preset["contexts"]
+    shortest = preset["new_tokens"] + DECODE_WARMUP + 1  # a prompt of at least one token before them
+    if min(preset["contexts"]) < shortest:
+        parser.error(f"--contexts: {min(preset['contexts'])} is too short: the preset decodes "
+                     f"{preset['new_tokens']} + {DECODE_WARMUP} tokens after a prompt, so at least "
+                     f"{shortest}")
+    # the RoPE table has block_size rows, and no weight depends on it
+    block_size = max(GPTConfig(**preset["model"]).block_size, *preset["contexts"])
+    preset["model"] = {**preset["model"], "block_size": block_size}
     compile = device.type == "cuda" if args.compile is None else args.compile
     dtype, why = native_dtype(device) if args.dtype == "auto" else (getattr(torch, args.dtype), "--dtype")
     precision = PRECISION_NAMES[dtype]
@@ -420,17 +496,22 @@ def main(argv=None):
         train=dict(batch_size=preset["batch_size"], seq_len=preset["seq_len"], warmup=preset["warmup"],
                    steps=preset["steps"], compile=compile,
                    dtype=f"{precision} autocast" if dtype == torch.bfloat16 else precision),
-        decode=dict(batch_size=preset["decode_batch"], contexts=list(preset["contexts"]),
+        decode=dict(batch_sizes=list(preset["decode_batches"]), contexts=list(preset["contexts"]),
                     new_tokens=preset["new_tokens"], rounds=DECODE_ROUNDS,
                     dtype=str(dtype).removeprefix("torch.")),
         variants={},
     )
+    if args.peaks or args.only == "peaks":
+        result["peaks"] = measure_peaks(preset, device, dtype)
+        for p in result["peaks"]:
+            log(ceilings(p))
+        save(result, args.out)
     if args.check and device.type == "cuda":
         baseline = GPTConfig(attn=BASELINE, **preset["model"])
         ms = result["mha_sdpa_ms"] = sdpa_backend_ms(baseline, preset, device)
         log(f"{BASELINE}, eager, per SDPA backend: {backend_times(ms)}")
         save(result, args.out)
-    for attn in dict.fromkeys((BASELINE, *args.attn)):
+    for attn in dict.fromkeys((BASELINE, *args.attn)) if args.only != "peaks" else ():
         config = GPTConfig(attn=attn, **preset["model"])
         row = result["variants"][attn] = {}
         if args.check:
@@ -438,7 +519,7 @@ def main(argv=None):
             ch = row["check"]
             log(f"{attn}: flash attention {ch['flash_error'] or 'ok'}; "
                 f"cached vs full logits {ch['decode_rel_err']:.1e}")
-        if args.only != "decode":
+        if args.only in (None, "train"):
             log(f"{attn}: training")
             row["train"] = bench_train(config, preset, device, dtype, compile, profile=args.check)
             t = row["train"]
@@ -452,7 +533,7 @@ def main(argv=None):
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         save(result, args.out)
-    if args.only != "train":
+    if args.only in (None, "decode"):
         log("decoding, every variant in turn")
 
         def measured(rows):

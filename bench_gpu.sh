@@ -2,8 +2,9 @@
 # What a lent GPU is for, most important first, in at most 8 minutes on one H200, with no network:
 #   1. the one-GPU tier end to end: config/gpu.py's 128M MHA and LRKV (r = 16) trained a few steps on
 #      the pydocs corpus in GPT-2 tokens (bf16, torch.compile, checkpoints), analyze.py, sample.py;
-#   2. decoding, eager and compiled (the fixed-shape step as CUDA graphs), all five variants, 512 and
-#      2,048 tokens, batch 16, with the cached-decoding check;
+#   2. decoding, eager and compiled (the fixed-shape step as CUDA graphs), all five variants, 2,048 and
+#      8,192 tokens (where reading the cache is most of a step: docs/decoding.md's roofline), batch 16,
+#      with the cached-decoding check, after the GPU's ceilings (bf16 matmul FLOP/s, memory bandwidth);
 #   3. the training rows of MHA and LRKV, as far as the time left allows (2026-11-30 measured all five).
 # Each phase has a time limit and writes its logs and JSON as it goes, so a run cut short keeps what
 # it measured. nvidia-smi's process list shows whether anything else shared the GPU.
@@ -20,10 +21,10 @@ gpus() { command -v nvidia-smi >/dev/null && nvidia-smi --query-compute-apps=pid
 if [ "${TINY:-}" ]; then
   model=(--n_layer=2 --n_head=2 --head_dim=16 --n_embd=32 --block_size=64 --device=cpu)
   run=(--batch_size=4 --micro_batch_size=4 --max_steps=4 --warmup_steps=1 --eval_interval=2 --eval_tokens=256 --log_interval=1)
-  lrkv_rank=4 bench=(--preset=tiny --device=cpu)
+  lrkv_rank=4 bench=(--preset=tiny --device=cpu) decode=()
 else
   model=() run=(--max_steps=60 --warmup_steps=10 --eval_interval=30 --eval_tokens=4096 --log_interval=10)
-  lrkv_rank=16 bench=(--preset=128m)
+  lrkv_rank=16 bench=(--preset=128m) decode=(--contexts=2048,8192)
 fi
 
 gpus
@@ -39,7 +40,8 @@ pipeline() {
 pipeline 2>&1 | tee "$out/pipeline.log"
 echo "pipeline: exit ${PIPESTATUS[0]}" | tee -a "$out/pipeline.log"
 gpus
-timeout 200 "$python" bench.py "${bench[@]}" --only=decode --check --out="$out/decode.json" 2>&1 | tee "$out/decode.log"
+timeout 200 "$python" bench.py "${bench[@]}" "${decode[@]}" --only=decode --check --peaks \
+  --out="$out/decode.json" 2>&1 | tee "$out/decode.log"
 echo "decoding: exit ${PIPESTATUS[0]}" | tee -a "$out/decode.log"
 gpus
 timeout 60 "$python" bench.py "${bench[@]}" --only=train --attn=lrkv --out="$out/train.json" 2>&1 | tee "$out/train.log"

@@ -416,21 +416,37 @@ class LowRankKVAttention(Attention):
                                     + sin(s theta_i) (q_i B_h[i'] - q_i' B_h[i])
 
         which for every s and h at once is the (S, d_h) table [cos | sin] times a (d_h, H r)
-        matrix built from q and B^K (a batch's matrices side by side): one GEMM, the rebuild's
-        S H r d_h multiply-adds without its (S, H, d_h) tensors and their norm and rotation. No
-        exact form does less with this cache: each score needs a d_h-wide rotated residual key
-        of which the cache holds r numbers."""
+        matrix built from q and B^K, one per sequence: a GEMM, the rebuild's S H r d_h
+        multiply-adds without its (S, H, d_h) tensors and their norm and rotation. No exact form
+        does less with this cache: each score needs a d_h-wide rotated residual key of which the
+        cache holds r numbers. The GEMM runs over chunks of positions (_residual_key_scores), so
+        that its (S, H, r) result per sequence, as large as r_k itself, never leaves the caches."""
         H, d_h, r, half = self.n_head, self.head_dim, self.lrkv_rank, self.head_dim // 2
         q = q[:, 0] / math.sqrt(d_h)  # (N, H, d_h), the softmax's scale taken in
-        N, S = q.size(0), k_shared.size(1)  # N the batch size: B is B_h here
+        N = q.size(0)  # the batch size: B is B_h here
         # dims i and i' = i + d_h/2 of q_h, and rows i and i' of B_h
         q1, q2 = q.view(N, H, 2, half).permute(2, 3, 0, 1).unsqueeze(-1)  # (d_h/2, N, H, 1)
         Bk1, Bk2 = self.B_k.view(H, 2, half, r).permute(1, 2, 0, 3).unsqueeze(2)  # (d_h/2, 1, H, r)
         M = torch.stack((q1 * Bk1 + q2 * Bk2, q1 * Bk2 - q2 * Bk1))  # (2, d_h/2, N, H, r): cos, sin terms
-        w = rope.to(q.dtype) @ M.view(d_h, N * H * r)  # (S, N H r): B_h^T Rot_s^T q_h, one GEMM for the batch
-        w = w.view(S, N, H, r).transpose(0, 1)  # (N, S, H, r)
-        residual_term = torch.linalg.vecdot(w, self.per_head(r_k)).transpose(1, 2)  # (N, H, S)
-        return torch.baddbmm(residual_term, q, k_shared.transpose(1, 2)) / rho.transpose(1, 2)
+        M = M.view(d_h, N, H * r).transpose(0, 1)  # (N, d_h, H r): rope[s] @ M[n] is every B_h^T Rot_s^T q_h
+        residual_term = self._residual_key_scores(rope.to(q.dtype), M, self.per_head(r_k))  # (N, S, H)
+        return torch.baddbmm(residual_term.transpose(1, 2), q, k_shared.transpose(1, 2)) / rho.transpose(1, 2)
+
+    def _residual_key_scores(self, rope, M, r_k):
+        """(B_h^T Rot_s^T q_h) . r_{h,s} for every sequence n, position s and head h: (N, S, H),
+        from the RoPE rows rope (S, d_h), M (N, d_h, H r) and r_k (N, S, H, r). All at once, the
+        product rope @ M[n] would be an (N, S, H, r) tensor written to memory and read back, as
+        large as r_k (145 MB at N = 16, S = 8,192, 128M, fp32): on a CPU that traffic, not the
+        GEMM, took most of the time. Per chunk of positions it holds 4 MB on a CPU, which stays in
+        the caches (the L3 here holds 32 MB) between the GEMM and the dot product with r_k, and r_k
+        is read once, in its own layout. A GPU gets 32 MB chunks, a few per step, each a few kernel
+        launches (an H200's L2 holds 50 MB)."""
+        N, S, H, r = r_k.shape
+        chunk_bytes = 2**25 if r_k.is_cuda else 2**22
+        chunk = max(1, chunk_bytes // (N * H * r * r_k.element_size()))
+        # the dot product over r in place in the GEMM's fresh result: no second chunk-sized tensor
+        return torch.cat([(rope[s:s + chunk] @ M).view(N, -1, H, r).mul_(r_k[:, s:s + chunk]).sum(-1)
+                          for s in range(0, S, chunk)], dim=1)
 
     # the value half
 

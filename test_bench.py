@@ -8,8 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
+import bench
 from model import ATTENTION, GPT, GPTConfig
 
 
@@ -37,14 +39,17 @@ def test_tiny_bench_writes_a_row_per_variant(tmp_path):
     result = strict_json(out.read_text())
     assert list(result["variants"]) == list(ATTENTION)
     assert not list(tmp_path.glob("*.tmp"))
-    batch, contexts = result["decode"]["batch_size"], result["decode"]["contexts"]
+    # the preset's decode batch and contexts when no flag names others
+    assert result["decode"]["batch_sizes"] == list(bench.PRESETS["tiny"]["decode_batches"]) == [2]
+    assert result["decode"]["contexts"] == list(bench.PRESETS["tiny"]["contexts"])
+    batch, contexts = 2, result["decode"]["contexts"]
     dtype = getattr(torch, result["decode"]["dtype"])  # hardware.native_dtype's: bf16 on a CPU with AMX
     for name, row in result["variants"].items():
         assert row["check"]["ok"], (name, row["check"])
         train = row["train"]
         assert positive_numbers(train, "ms_per_step", "optimizer_ms", "tokens_per_s", "x_mha")
         assert train["mfu"] is None
-        assert [d["context"] for d in row["decode"]] == contexts
+        assert [(d["batch_size"], d["context"]) for d in row["decode"]] == [(batch, L) for L in contexts]
         model = GPT(GPTConfig(attn=name, **result["config"]))
         for d in row["decode"]:
             assert positive_numbers(d, "ms_per_token", "tokens_per_s", "step_alone_ms_per_token", "cache_mib",
@@ -61,3 +66,67 @@ def test_tiny_bench_writes_a_row_per_variant(tmp_path):
     H, d_h = config["n_head"], config["head_dim"]
     lrkv_share = 1 / H + config["lrkv_rank"] / d_h + 1 / (2 * d_h)
     assert math.isclose(result["variants"]["lrkv"]["decode"][0]["cache_pct_mha"], 100 * lrkv_share)
+
+
+def test_decode_flags_sweep_every_batch_at_every_context(tmp_path):
+    """--decode_batch and --contexts replace the preset's: a row per batch size and context, for
+    every variant, with caches of that batch and context; a context past the preset's block_size
+    grows the model's RoPE table to it."""
+    out = tmp_path / "bench.json"
+    bench.main(["--preset=tiny", "--device=cpu", "--only=decode", "--no-compiled_decode",
+                "--decode_batch=3,1", "--contexts=16,80", f"--out={out}"])
+    result = strict_json(out.read_text())
+    assert result["decode"]["batch_sizes"] == [3, 1] and result["decode"]["contexts"] == [16, 80]
+    assert result["config"]["block_size"] == 80 > bench.PRESETS["tiny"]["model"]["block_size"]
+    dtype = getattr(torch, result["decode"]["dtype"])
+    mha = result["variants"]["mha"]["decode"]
+    for name, row in result["variants"].items():
+        assert "train" not in row
+        sweep = [(d["batch_size"], d["context"]) for d in row["decode"]]
+        assert sweep == [(3, 16), (3, 80), (1, 16), (1, 80)]
+        model = GPT(GPTConfig(attn=name, **result["config"]))
+        for d, baseline in zip(row["decode"], mha):  # each row against MHA's at its batch and context
+            assert d["cache_mib"] * 2**20 == model.kv_cache_bytes(d["batch_size"], d["context"], dtype)
+            assert d["cache_pct_mha"] == 100 * d["cache_mib"] / baseline["cache_mib"]
+            assert d["x_mha"] == d["ms_per_token"] / baseline["ms_per_token"]
+            assert positive_numbers(d, "ms_per_token", "tokens_per_s", "step_alone_ms_per_token")
+        # generate() at the first batch size and context
+        assert (row["uncached"]["batch_size"], row["uncached"]["context"]) == (3, 16)
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--decode_batch=0", "argument --decode_batch: '0': not distinct positive integers, comma-separated"),
+    ("--decode_batch=1,x", "argument --decode_batch: '1,x': not distinct positive integers, "
+                           "comma-separated"),
+    ("--decode_batch=", "argument --decode_batch: '': not distinct positive integers, comma-separated"),
+    ("--contexts=64,64", "argument --contexts: '64,64': not distinct positive integers, "
+                         "comma-separated"),
+    ("--contexts=32,-8", "argument --contexts: '32,-8': not distinct positive integers, "
+                         "comma-separated"),
+    # the tiny preset decodes 4 tokens after 2 of warm-up, which need a prompt before them
+    ("--contexts=6,64", "--contexts: 6 is too short: the preset decodes 4 + 2 tokens after a prompt, "
+                        "so at least 7"),
+])
+def test_bad_decode_flags_are_refused_in_one_line(flag, message, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    with pytest.raises(SystemExit) as exit:
+        bench.main(["--preset=tiny", "--device=cpu", flag, f"--out={out}"])
+    assert exit.value.code == 2
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert error.endswith(f": error: {message}")
+    assert not out.exists()
+
+
+def test_peaks_measures_both_ceilings_per_thread_count(tmp_path, capsys):
+    """--peaks: a matmul's FLOP/s and a read's bandwidth, on a CPU at 1 thread and at torch's own
+    number, which it leaves as it found it; --only=peaks measures nothing else."""
+    out = tmp_path / "bench.json"
+    threads = torch.get_num_threads()
+    bench.main(["--preset=tiny", "--device=cpu", "--only=peaks", f"--out={out}"])
+    result = strict_json(out.read_text())
+    assert torch.get_num_threads() == threads
+    assert result["variants"] == {}
+    assert [p["threads"] for p in result["peaks"]] == sorted({1, threads})
+    assert all(positive_numbers(p, "matmul_gflops", "read_gb_per_s") for p in result["peaks"])
+    assert all(p["matmul"] == f"256^3 {result['decode']['dtype']}" for p in result["peaks"])  # its dtype
+    assert "Ceilings (measure_peaks, best of 5): 1 thread: 256^3 " in capsys.readouterr().out
