@@ -143,9 +143,9 @@ def test_schedule_and_optimizers():
 
     model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, head_dim=16, n_embd=32,
                           attn="lrkv", lrkv_rank=4))
-    muon, adamw = train.configure_optimizers(model, cfg)
-    assert isinstance(muon, muon.Muon)
-    assert {id(p) for p in muon.param_groups[0]["params"]} == {id(p) for p in model.blocks.parameters()}
+    matrices, adamw = train.configure_optimizers(model, cfg)
+    assert isinstance(matrices, muon.Muon)
+    assert {id(p) for p in matrices.param_groups[0]["params"]} == {id(p) for p in model.blocks.parameters()}
     groups = [[id(p) for p in g["params"]] for g in adamw.param_groups]
     assert groups == [[id(model.wte.weight)], [id(model.lm_head.weight)]]
     assert [g["lr"] for g in adamw.param_groups] == [0.2, 0.004]
