@@ -419,7 +419,7 @@ def test_calibration_changes_a_low_rank_conversion_and_zero_tokens_is_the_weight
         covariances = None
         if tokens:
             covariances = convert.attention_input_covariances(source, batches, 256, 1, 16, "cpu")
-        expected.convert_from(source, covariances)
+        convert.convert(expected, source, covariances)
         assert all(torch.equal(state[k], v) for k, v in expected.state_dict().items()), tokens
         if not tokens:
             plain = state
