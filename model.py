@@ -459,10 +459,10 @@ class LowRankKVAttention(Attention):
         r_v = self.U_v(x).view(B, T, self.n_residual, self.lrkv_rank)
         return {"v_shared": self.W_shared_v(x), "r_v": r_v}
 
-    def attend_values_reference(self, a, v_shared, r_v):
+    def attend_values_reference(self, a, **values):
         """What attend_values computes, by the plain equation: every head's cached V_h built
-        (values), then a_h V_h. (B, 1, H, d_h); the tests compare the two."""
-        return torch.einsum("bhs,bshd->bhd", a, self.values(v_shared, r_v)).unsqueeze(1)
+        (values, of the value half's entries), then a_h V_h. (B, 1, H, d_h); the tests compare the two."""
+        return torch.einsum("bhs,bshd->bhd", a, self.values(**values)).unsqueeze(1)
 
     def attend_values(self, a, v_shared, r_v):
         """One new token's output (B, 1, H, d_h) from its attention a (B, H, S) over the cached
