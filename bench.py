@@ -494,9 +494,6 @@ def main(argv=None):
                              "leaves out generate()'s rows")
     parser.add_argument("--new_tokens", type=int,
                         help="single-token steps per round and variant in decoding (default: the preset's)")
-    parser.add_argument("--lrkv_rope_dim", type=int, default=0,
-                        help="LRKV's layout: RoPE on this many shared dims, the residual in the others "
-                             "(model.py's GPTConfig.lrkv_rope_dim; default 0, the paper's)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="training autocast, Newton-Schulz and decoding; auto: hardware.native_dtype's")
     parser.add_argument("--out", default="out/bench.json")
@@ -505,7 +502,6 @@ def main(argv=None):
     preset["decode_batches"] = args.decode_batch or preset["decode_batches"]
     preset["contexts"] = args.contexts or preset["contexts"]
     preset["new_tokens"] = args.new_tokens or preset["new_tokens"]
-    preset["model"] = {**preset["model"], "lrkv_rope_dim": args.lrkv_rope_dim}
     shortest = preset["new_tokens"] + DECODE_WARMUP + 1  # a prompt of at least one token before them
     if min(preset["contexts"]) < shortest:
         parser.error(f"--contexts: {min(preset['contexts'])} is too short: the preset decodes "

@@ -34,7 +34,6 @@ class GPTConfig:
     kv_lora_rank: int = 128  # mla: width d_c of the cached latent
     rope_head_dim: int = 64  # mla: width d_R of the decoupled RoPE key shared by all heads
     lrkv_rank: int = 46  # lrkv: rank r of each head's residual U_h B_h^T
-    lrkv_rope_dim: int = 0  # lrkv: 0 the paper's layout; D > 0 RoPE only on D dims shared by all heads
     rope_theta: float = 10000.0
 
     def __post_init__(self):
@@ -111,7 +110,6 @@ class Attention(nn.Module):
         self.layer, self.n_head, self.head_dim = layer, config.n_head, config.head_dim
         self.qk_dim = qk_dim or config.head_dim
         self.rope_dim = rope_dim or config.head_dim
-        self.rope_theta = config.rope_theta  # the RoPE table's base, GPT's for every layer
         self.W_q = nn.Linear(config.n_embd, config.n_head * self.qk_dim, bias=False)
         self.W_o = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=False)
 
@@ -292,29 +290,17 @@ class LowRankKVAttention(Attention):
     (W_shared^K)^T (d_h, d), U_k.weight the (U_h^K)^T stacked (H r, d), and B_k the B_h^K stacked
     (H d_h, r): the weight of an nn.Linear from r to H d_h, a bare Parameter because it is drawn
     apart (reset_parameters). The heads' residuals R_g come in n_residual groups (residual_heads),
-    each read by H / n_residual consecutive heads (per_head): H of them here, one a head.
-
-    With lrkv_rope_dim = D > 0, the layout where eq. 6 is exact: RoPE turns only the last D dims
-    of each q/k head, and there K_h is K_shared's alone, the same for every head (a decoupled RoPE
-    key, as MLA's); the key residual lives in the other d_h - D dims, B_h^K (d_h - D, r):
-
-        K_h = K_shared + [R_h^K (B_h^K)^T | 0]
-
-    Those D dims turn by the d_h-wide RoPE's D/2 fastest frequencies theta^(-2i/d_h), the ones
-    that resolve positions within a short context. The values do not change."""
+    each read by H / n_residual consecutive heads (per_head): H of them here, one a head."""
 
     def __init__(self, config, layer):
-        super().__init__(config, layer, rope_dim=config.lrkv_rope_dim or None)
+        super().__init__(config, layer)
         d, H, d_h, r = config.n_embd, config.n_head, config.head_dim, config.lrkv_rank
         self.lrkv_rank, self.n_residual = r, self.residual_heads(config)
-        self.lrkv_rope_dim = config.lrkv_rope_dim
-        # theta' ** (-2i / D) = theta ** (-2i / d_h): the D/2 fastest of a d_h-wide table's frequencies
-        self.rope_theta = config.rope_theta ** (self.rope_dim / d_h)
         self.W_shared_k = nn.Linear(d, d_h, bias=False)
         self.W_shared_v = nn.Linear(d, d_h, bias=False)
         self.U_k = nn.Linear(d, self.n_residual * r, bias=False)
         self.U_v = nn.Linear(d, self.n_residual * r, bias=False)
-        self.B_k = nn.Parameter(torch.empty(H * (d_h - self.lrkv_rope_dim), r))
+        self.B_k = nn.Parameter(torch.empty(H * d_h, r))
         self.B_v = nn.Parameter(torch.empty(H * d_h, r))
 
     def reset_parameters(self):
@@ -333,18 +319,12 @@ class LowRankKVAttention(Attention):
         k_shared, v_shared = self.W_shared_k(x), self.W_shared_v(x)  # (B, T, d_h): X W_shared
         r_k = self.U_k(x).view(B, T, self.n_residual, self.lrkv_rank)  # (B, T, H, r): R_h^K = X U_h^K
         r_v = self.U_v(x).view(B, T, self.n_residual, self.lrkv_rank)
-        k = k_shared.unsqueeze(2) + self.key_residual(self.per_head(r_k))  # (B, T, H, d_h): K_h
+        k = k_shared.unsqueeze(2) + self.residual(self.per_head(r_k), self.B_k)  # (B, T, H, d_h): K_h
         return self.project_out(self.attend(q, apply_rope(norm(k), rope), self.values(v_shared, r_v)))
 
     def residual(self, R, factor):
-        """Every head's R_h B_h^T, factor being B_k or B_v: (B, S, H, r) -> (B, S, H, factor's rows
-        a head: d_h, or d_h - D for B_k with lrkv_rope_dim = D)."""
-        return torch.einsum("bshr,hdr->bshd", R, factor.view(self.n_head, -1, self.lrkv_rank))
-
-    def key_residual(self, r_k):
-        """Every head's key residual [R_h^K (B_h^K)^T | 0], K_h - K_shared, the zeros in the
-        lrkv_rope_dim shared dims (none in the paper's layout): (B, S, H, r) -> (B, S, H, d_h)."""
-        return F.pad(self.residual(r_k, self.B_k), (0, self.lrkv_rope_dim))
+        """Every head's R_h B_h^T, factor being B_k or B_v: (B, S, H, r) -> (B, S, H, d_h)."""
+        return torch.einsum("bshr,hdr->bshd", R, factor.view(self.n_head, self.head_dim, self.lrkv_rank))
 
     def values(self, v_shared, r_v):
         """Every head's V_h = V_shared + R_h^V (B_h^V)^T: (B, S, d_h), (B, S, H, r) -> (B, S, H, d_h)."""
@@ -403,13 +383,13 @@ class LowRankKVAttention(Attention):
         B, T, _ = x.shape
         k_shared = self.W_shared_k(x)  # (B, T, d_h)
         r_k = self.U_k(x).view(B, T, self.n_residual, self.lrkv_rank)  # (B, T, H, r)
-        rho = rms(k_shared.unsqueeze(2) + self.key_residual(self.per_head(r_k)))  # (B, T, H)
+        rho = rms(k_shared.unsqueeze(2) + self.residual(self.per_head(r_k), self.B_k))  # (B, T, H)
         return {"k_shared": apply_rope(k_shared.unsqueeze(2), rope).squeeze(2), "r_k": r_k, "rho": rho}
 
     def keys(self, k_shared, r_k, rho, rope):
         """Every head's normalised, rotated key at all S cached positions (rope: their rows of the
         RoPE table), as training's: (B, S, H, d_h)."""
-        residual = apply_rope(self.key_residual(self.per_head(r_k)), rope)  # (B, S, H, d_h)
+        residual = apply_rope(self.residual(self.per_head(r_k), self.B_k), rope)  # (B, S, H, d_h)
         return (k_shared.unsqueeze(2) + residual) / rho.unsqueeze(-1)
 
     def key_scores_reference(self, q, k_shared, r_k, rho, rope):
@@ -440,20 +420,10 @@ class LowRankKVAttention(Attention):
         multiply-adds without its (S, H, d_h) tensors and their norm and rotation. No exact form
         does less with this cache: each score needs a d_h-wide rotated residual key of which the
         cache holds r numbers. The GEMM runs over chunks of positions (_residual_key_scores), so
-        that its (S, H, r) result per sequence, as large as r_k itself, never leaves the caches.
-
-        With lrkv_rope_dim = D the residual sits in dims that RoPE leaves alone, so eq. 6 holds as
-        written: score_{h,s} = [ q_h . Rot_s(K_s) + (B_h^T q_h[:d_h - D]) . r_{h,s} ] / rho_{h,s},
-        H (d_h + r) multiply-adds a position, reading only the cache."""
+        that its (S, H, r) result per sequence, as large as r_k itself, never leaves the caches."""
         H, d_h, r, half = self.n_head, self.head_dim, self.lrkv_rank, self.head_dim // 2
         q = q[:, 0] / math.sqrt(d_h)  # (N, H, d_h), the softmax's scale taken in
         N = q.size(0)  # the batch size: B is B_h here
-        if self.lrkv_rope_dim:
-            B_k = self.B_k.view(H, d_h - self.lrkv_rope_dim, r)
-            q_r = torch.einsum("nhd,hdr->nhr", q[..., :B_k.size(1)], B_k)  # (N, H, r): B_h^T q_h
-            residual_term = r_k.flatten(2) @ self.per_residual(q_r.transpose(1, 2))  # (N, S, H)
-            scores = torch.baddbmm(residual_term.transpose(1, 2), q, k_shared.transpose(1, 2))
-            return scores / rho.transpose(1, 2)
         # dims i and i' = i + d_h/2 of q_h, and rows i and i' of B_h
         q1, q2 = q.view(N, H, 2, half).permute(2, 3, 0, 1).unsqueeze(-1)  # (d_h/2, N, H, 1)
         Bk1, Bk2 = self.B_k.view(H, 2, half, r).permute(1, 2, 0, 3).unsqueeze(2)  # (d_h/2, 1, H, r)
@@ -509,33 +479,20 @@ class LowRankKVAttention(Attention):
         y_res = y_all[:, heads, heads * self.n_residual // H].unsqueeze(1)  # (B, 1, H, r): a_h R_h^V
         return y_shared + self.residual(y_res, self.B_v)
 
-    def per_residual(self, x):
-        """x (B, r, H), a column a head, spread over the residuals that the heads read (per_head): the
-        block-diagonal (B, n_residual r, H) whose rows g r to (g + 1) r are x's columns of residual g's
-        heads, zero elsewhere, so that a GEMM with (S, n_residual r) rows of the cache contracts
-        each head with its own residual."""
-        G, H = self.n_residual, self.n_head
-        reads = torch.eye(G, dtype=x.dtype, device=x.device).repeat_interleave(H // G, dim=1)  # (G, H)
-        return (x.unsqueeze(1) * reads[:, None, :]).flatten(1, 2)
-
     # checks, label, conversion
 
     @classmethod
     def check(cls, config):
-        D = config.lrkv_rope_dim
-        if not (0 <= D < config.head_dim and D % 2 == 0):
-            config.reject("lrkv_rope_dim", f"even, from 0 to head_dim - 2 = {config.head_dim - 2}")
-        if not 1 <= config.lrkv_rank <= config.head_dim - D:
-            config.reject("lrkv_rank", f"between 1 and head_dim - lrkv_rope_dim = {config.head_dim - D}")
+        if not 1 <= config.lrkv_rank <= config.head_dim:
+            config.reject("lrkv_rank", f"between 1 and head_dim = {config.head_dim}")
 
     @classmethod
     def legend_label(cls, config, peers):
-        rope = f", RoPE on {config.lrkv_rope_dim} shared dims" if config.lrkv_rope_dim else ""
-        return f"LRKV (r={config.lrkv_rank}{rope})"
+        return f"LRKV (r={config.lrkv_rank})"
 
     @classmethod
     def legend_key(cls, config):
-        return 1, config.lrkv_rank, config.lrkv_rope_dim
+        return 1, config.lrkv_rank
 
     def head_kv_weights(self):
         return (self.head_weights(self.W_shared_k, self.U_k, self.B_k),
@@ -543,11 +500,10 @@ class LowRankKVAttention(Attention):
 
     def head_weights(self, W_shared, U, factor):
         """Every head's W_h = W_shared + U_h B_h^T of one half, in nn.Linear's layout, W_h^T:
-        (H, d_h, d); B_h^K's rows the first d_h - D with lrkv_rope_dim = D, the rest W_shared's."""
-        H, r = self.n_head, self.lrkv_rank
+        (H, d_h, d)."""
+        H, d_h, r = self.n_head, self.head_dim, self.lrkv_rank
         U_t = U.weight.view(self.n_residual, r, -1).repeat_interleave(H // self.n_residual, dim=0)
-        residual = torch.einsum("hdr,hrc->hdc", factor.view(H, -1, r), U_t)  # U_t (H, r, d)
-        return W_shared.weight + F.pad(residual, (0, 0, 0, self.head_dim - residual.size(1)))
+        return W_shared.weight + torch.einsum("hdr,hrc->hdc", factor.view(H, d_h, r), U_t)  # U_t (H, r, d)
 
     def load_head_kv_weights(self, W_K, W_V, C=None):
         """W_shared = the heads' mean, U_h B_h^T = the rank-r truncated SVD of W_h - W_shared, or
@@ -555,9 +511,6 @@ class LowRankKVAttention(Attention):
         keys and values alike. With r = d_h it is every head exactly, with or without C. The mean
         stays the shared part with C too: it is the optimal single projection in the norm of any C
         (GroupedQueryAttention.load_head_kv_weights), and the residuals take what it misses."""
-        if self.lrkv_rope_dim:
-            raise ValueError("LRKV with lrkv_rope_dim is not converted to: its RoPE dims are shared by all "
-                             "heads, and per-head keys rotate every dim (as for MLA, docs/convert.md)")
         self.load_head_weights(W_K, self.W_shared_k, self.U_k, self.B_k, C)
         self.load_head_weights(W_V, self.W_shared_v, self.U_v, self.B_v, C)
 
@@ -742,8 +695,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layer))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         # one RoPE table for every layer, as wide as each q/k head's rotated part (Attention.rope_dim)
-        first = self.blocks[0].attn
-        rope = rope_table(first.rope_dim, config.block_size, first.rope_theta)
+        rope = rope_table(self.blocks[0].attn.rope_dim, config.block_size, config.rope_theta)
         self.register_buffer("rope", rope, persistent=False)
         self.reset_parameters()
 

@@ -31,12 +31,11 @@ def tiny_model(attn, seed=0, **overrides):
     return model.eval()
 
 
-def naive_rope(x, positions, rot_dim, theta, spacing=None):
-    """RoPE through complex numbers: dim i of the rotated block pairs with i + rot_dim/2, and turns
-    by theta^(-2i / spacing), spacing rot_dim unless given."""
+def naive_rope(x, positions, rot_dim, theta):
+    """RoPE through complex numbers: dim i of the rotated block pairs with i + rot_dim/2."""
     half = rot_dim // 2
     x_pass, x_rot = x[..., :-rot_dim], x[..., -rot_dim:]
-    freqs = theta ** (-torch.arange(half, dtype=torch.float64) * 2 / (spacing or rot_dim))
+    freqs = theta ** (-torch.arange(half, dtype=torch.float64) * 2 / rot_dim)
     turn = torch.polar(torch.ones(len(positions), half, dtype=torch.float64), positions[:, None] * freqs)
     z = torch.complex(x_rot[..., :half], x_rot[..., half:]) * turn.conj()
     return torch.cat((x_pass, z.real, z.imag), dim=-1)
@@ -76,15 +75,13 @@ def grouped_keys_values(kv_heads):
 
 
 def lrkv_keys_values(attn, x, config):
-    """Eq. 6 per head: W_h = W_shared + U_h B_h^T, built whole (transposed, as nn.Linear holds it).
-    With lrkv_rope_dim = D, B_h^K writes the first d_h - D dims only, and RoPE turns the last D."""
-    H, d_h, r, D = config.n_head, config.head_dim, attn.lrkv_rank, config.lrkv_rope_dim  # the layer's rank
+    """Eq. 6 per head: W_h = W_shared + U_h B_h^T, built whole (transposed, as nn.Linear holds it)."""
+    H, d_h, r = config.n_head, config.head_dim, attn.lrkv_rank  # the layer's own rank
     U_k, U_v = (U.weight.double().view(H, r, -1) for U in (attn.U_k, attn.U_v))
-    B_k, B_v = attn.B_k.double().view(H, d_h - D, r), attn.B_v.double().view(H, d_h, r)
-    W_k = [attn.W_shared_k.weight.double() + torch.cat((B_k[h] @ U_k[h], torch.zeros(D, config.n_embd)))
-           for h in range(H)]
+    B_k, B_v = (B.double().view(H, d_h, r) for B in (attn.B_k, attn.B_v))
+    W_k = [attn.W_shared_k.weight.double() + B_k[h] @ U_k[h] for h in range(H)]
     W_v = [attn.W_shared_v.weight.double() + B_v[h] @ U_v[h] for h in range(H)]
-    return [x[0] @ W_k[h].t() for h in range(H)], [x[0] @ W_v[h].t() for h in range(H)], D or d_h
+    return [x[0] @ W_k[h].t() for h in range(H)], [x[0] @ W_v[h].t() for h in range(H)], d_h
 
 
 def mla_keys_values(attn, x, config):
@@ -117,12 +114,10 @@ def naive_attention(attn, x, config):
     qk_dim = keys[0].size(-1)
     positions = torch.arange(T, dtype=torch.float64)
     Wq = attn.W_q.weight.double().view(H, qk_dim, -1)
-    # LRKV's lrkv_rope_dim dims turn by the frequencies of a head_dim-wide RoPE's fastest pairs
-    spacing = config.head_dim if config.attn == "lrkv" else None
     heads = []
     for h in range(H):
-        q = naive_rope(rms(x[0] @ Wq[h].t()), positions, rot_dim, config.rope_theta, spacing)
-        k = naive_rope(rms(keys[h]), positions, rot_dim, config.rope_theta, spacing)
+        q = naive_rope(rms(x[0] @ Wq[h].t()), positions, rot_dim, config.rope_theta)
+        k = naive_rope(rms(keys[h]), positions, rot_dim, config.rope_theta)
         scores = q @ k.t() / math.sqrt(qk_dim)
         scores = scores.masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))
         heads.append(torch.softmax(scores, -1) @ values[h])
@@ -521,7 +516,7 @@ def grouped_head_keys(layer, x, c):
 
 def lrkv_head_keys(layer, x, c):
     r_k = layer.U_k(x).view(1, len(x), layer.n_residual, layer.lrkv_rank)
-    return layer.W_shared_k(x)[:, None] + layer.key_residual(layer.per_head(r_k))[0]
+    return layer.W_shared_k(x)[:, None] + layer.residual(layer.per_head(r_k), layer.B_k)[0]
 
 
 def mla_head_keys(layer, x, c):  # the latent norm taken as identity
@@ -552,33 +547,6 @@ def test_head_qk_weights_match_each_variants_projections(attn):
         torch.testing.assert_close(x @ Wk[h], k[:, h], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("test", [
-    test_attention_matches_naive_reference, test_cached_decoding_equals_full_forward,
-    test_bf16_single_token_steps_with_small_keys_match_the_full_forward,
-    test_single_token_steps_match_a_chunk_over_64_positions,
-    test_single_token_steps_build_keys_of_their_own_token_only,
-    test_optimised_single_token_steps_equal_their_plain_equations,
-    test_greedy_generation_is_the_same_with_and_without_cache,
-    test_head_qk_weights_match_each_variants_projections,
-], ids=lambda test: test.__name__.removeprefix("test_"))
-def test_lrkv_with_shared_rope_dims_passes_every_variants_tests(test, monkeypatch):
-    """LRKV with lrkv_rope_dim = 8 of its 16 dims through the tests that every variant passes: the
-    naive reference (lrkv_keys_values) builds that layout's keys in float64 on its own."""
-    monkeypatch.setitem(globals(), "TINY", replace(TINY, lrkv_rope_dim=8))
-    test("lrkv", monkeypatch) if "monkeypatch" in test.__code__.co_varnames else test("lrkv")
-
-
-def test_lrkv_with_shared_rope_dims_shares_them_and_is_not_converted_to():
-    """Every head's key is W_shared's in the lrkv_rope_dim dims, and conversion from per-head keys,
-    which rotate every dim, is refused."""
-    layer = tiny_model("lrkv", lrkv_rope_dim=8).blocks[0].attn
-    W_K, W_V = layer.head_kv_weights()
-    assert torch.equal(W_K[:, -8:], layer.W_shared_k.weight[-8:].expand(TINY.n_head, -1, -1))
-    assert not torch.equal(W_K[:, :-8], layer.W_shared_k.weight[:-8].expand(TINY.n_head, -1, -1))
-    with pytest.raises(ValueError, match="lrkv_rope_dim is not converted to"):
-        layer.load_head_kv_weights(W_K, W_V)
-
-
 def test_the_readme_names_every_reference_table():
     """README.md's "Adding a variant" lists every table that a new variant needs an entry in."""
     readme = (Path(__file__).parent / "README.md").read_text()
@@ -593,9 +561,6 @@ def test_the_readme_names_every_reference_table():
     (dict(attn="gqa", n_kv_head=0), "n_kv_head"),
     (dict(attn="lrkv", lrkv_rank=0), "lrkv_rank"),
     (dict(attn="lrkv", lrkv_rank=129), "lrkv_rank"),
-    (dict(attn="lrkv", lrkv_rope_dim=3), "lrkv_rope_dim"),
-    (dict(attn="lrkv", lrkv_rope_dim=128), "lrkv_rope_dim"),
-    (dict(attn="lrkv", lrkv_rope_dim=96, lrkv_rank=46), "lrkv_rank"),
     (dict(attn="mla", rope_head_dim=130), "rope_head_dim"),
     (dict(attn="mla", rope_head_dim=63), "rope_head_dim"),
     (dict(attn="mla", kv_lora_rank=0), "kv_lora_rank"),
