@@ -16,10 +16,10 @@ MHA's. At the first batch size and context, generate() with and without the cach
 the cache buys. With --random_caches, the caches are filled with random entries instead of a
 prefill (a step's cost does not depend on the values it reads, and a 16 x 8,192 prefill takes
 minutes on a CPU), and generate() is left out. Decoding holds weights and cache alike in the
-native dtype, as a server would (autocast would re-cast every weight at every token). Eager, the caches grow by one position a step and on
-a GPU every step pays its kernel launches; compiled, the step runs on fixed shapes
-(fast_decode.py: the whole cache under a position mask), as one CUDA graph on a GPU; the seconds
-its compiling takes are reported apart.
+native dtype, as a server would (autocast would re-cast every weight at every token). Eager,
+the caches grow by one position a step and on a GPU every step pays its kernel launches;
+compiled, the step runs on fixed shapes (fast_decode.py: the whole cache under a position mask),
+as one CUDA graph on a GPU; the seconds its compiling takes are reported apart.
 
     python bench.py --preset=cpu
     python bench.py --preset=cpu --only=decode --decode_batch=1,16 --contexts=2048,8192
