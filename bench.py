@@ -13,14 +13,18 @@ context length, is full, every variant in turn over several rounds (bench_decode
 decode batch size and context of the preset or of --decode_batch and --contexts: ms per new
 token back to back and a step alone, tokens/s, the MiB its buffers hold and their share of
 MHA's. At the first batch size and context, generate() with and without the cache shows what
-the cache buys. Decoding holds weights and cache alike in the native dtype, as a server would (autocast
-would re-cast every weight at every token). Eager, the caches grow by one position a step and on
-a GPU every step pays its kernel launches; compiled, the step runs on fixed shapes
-(fast_decode.py: the whole cache under a position mask), as one CUDA graph on a GPU; the seconds
-its compiling takes are reported apart.
+the cache buys. With --random_caches, the caches are filled with random entries instead of a
+prefill (a step's cost does not depend on the values it reads, and a 16 x 8,192 prefill takes
+minutes on a CPU), and generate() is left out. Decoding holds weights and cache alike in the
+native dtype, as a server would (autocast would re-cast every weight at every token). Eager,
+the caches grow by one position a step and on a GPU every step pays its kernel launches;
+compiled, the step runs on fixed shapes (fast_decode.py: the whole cache under a position mask),
+as one CUDA graph on a GPU; the seconds its compiling takes are reported apart.
 
     python bench.py --preset=cpu
     python bench.py --preset=cpu --only=decode --decode_batch=1,16 --contexts=2048,8192
+    OMP_NUM_THREADS=1 python bench.py --only=decode --decode_batch=1,16 --contexts=2048,8192 \
+        --dtype=float32 --random_caches --no-compiled_decode --new_tokens=4 --peaks  # docs/decoding.md
     python bench.py --preset=128m --device=cuda --check --out=bench_gpu.json
 
 With --peaks, first the two ceilings of a roofline (measure_peaks): a square matmul's FLOP/s and
@@ -88,10 +92,12 @@ def log(msg):
 
 
 def clock(device):
-    """Seconds, once the work queued on the device is done."""
+    """Seconds, once the work queued on the device is done; on a CPU at one thread, the process's CPU
+    time: a core that other jobs share costs wall time, not CPU time."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return time.perf_counter()
+    one_core = device.type == "cpu" and torch.get_num_threads() == 1
+    return time.process_time() if one_core else time.perf_counter()
 
 
 def inference_model(config, device, dtype):
@@ -215,7 +221,7 @@ def bench_train(config, preset, device, dtype, compile, profile):
 
 
 @torch.inference_mode()
-def bench_decode(configs, preset, device, dtype, compiled, measured=lambda rows: None):
+def bench_decode(configs, preset, device, dtype, compiled, measured=lambda rows: None, random_caches=False):
     """{variant: (rows, generate's row)} for every config at once, interleaved: a row per decode
     batch size and context (the preset's decode_batches and contexts), batch by batch. Per batch
     size and context, each variant is prefilled to the same position; then in each of
@@ -228,7 +234,9 @@ def bench_decode(configs, preset, device, dtype, compiled, measured=lambda rows:
     step_alone_ms_per_token: the median single step. With compiled, then the same rounds of the
     compiled fixed-shape step, compiled (a graph per variant, batch size and context) before they
     start: compiled_ms_per_token. measured(rows) is called after each batch size and context with
-    the rows so far, so that a run cut short keeps them."""
+    the rows so far, so that a run cut short keeps them. With random_caches, each variant's caches
+    are filled to that position with random entries (fill_randomly) instead of by a prefill, and
+    generate()'s row is None."""
     n = preset["new_tokens"]
     models = {attn: inference_model(config, device, dtype) for attn, config in configs.items()}
     vocab_size = next(iter(configs.values())).vocab_size  # one preset: the same for every variant
@@ -238,7 +246,10 @@ def bench_decode(configs, preset, device, dtype, compiled, measured=lambda rows:
         state = {}
         for attn, model in models.items():
             caches = model.new_caches(B, L, dtype)
-            token = model(prompt, caches=caches)[0][:, -1:].argmax(-1)
+            if random_caches:
+                token = fill_randomly(caches, prompt)
+            else:
+                token = model(prompt, caches=caches)[0][:, -1:].argmax(-1)
             for _ in range(DECODE_WARMUP):
                 token = model(token, caches=caches)[0].argmax(-1)
             state[attn] = (caches, caches[0].pos, token, [], [])
@@ -266,6 +277,8 @@ def bench_decode(configs, preset, device, dtype, compiled, measured=lambda rows:
                                    compiled_ms_per_token=compiled_ms, compile_s=compile_s))
         del state
         measured(rows)
+    if random_caches:
+        return {attn: (rows[attn], None) for attn in configs}
     # generate() prefills and samples as a user would: per new token, prefill included, and (from
     # the difference with a 1-token call) per step, at the same batch and context as the first row
     B, L = preset["decode_batches"][0], preset["contexts"][0]
@@ -283,6 +296,17 @@ def bench_decode(configs, preset, device, dtype, compiled, measured=lambda rows:
                                         cached_ms_per_token=cached, cached_ms_per_step=step,
                                         uncached_ms_per_token=uncached, speedup=uncached / cached)
     return result
+
+
+def fill_randomly(caches, prompt):
+    """Fill caches to where a prefill of prompt (B, T) would leave them, with random entries (each
+    key RMS in [0.5, 1.5], as a RMS is positive); return the token that a prefill would have
+    drawn, a random one."""
+    for cache in caches:
+        cache.pos = prompt.size(1)
+        for name, buf in cache.named_buffers():
+            buf.uniform_(0.5, 1.5) if name == "rho" else buf.uniform_(-0.5, 0.5)
+    return torch.randint_like(prompt[:, :1], int(prompt.max()) + 1)
 
 
 def compiled_rounds(models, state, n, device):
@@ -391,6 +415,7 @@ def markdown(result):
                              f"{d['tokens_per_s']:,.0f} | {d['step_alone_ms_per_token']:.2f} | {compiled} | "
                              f"{x_compiled} | {compile_s} | {d['cache_mib']:.1f} | "
                              f"{d['cache_pct_mha']:.1f} | {d['x_mha']:.2f} |")
+    if "decode" in baseline and baseline.get("uncached"):
         n = de["new_tokens"]
         lines += ["", f"generate() with and without the cache: batch {de['batch_sizes'][0]}, {n} new tokens "
                       f"after {de['contexts'][0] - n}, ms per new token, prefill included, and per step "
@@ -463,6 +488,12 @@ def main(argv=None):
     parser.add_argument("--contexts", type=positive_ints,
                         help="comma-separated context lengths (the positions each decoding cache holds) "
                              "(default: the preset's); the model's block_size grows to the longest")
+    parser.add_argument("--random_caches", action="store_true",
+                        help="decode from caches filled with random entries instead of a prefill (the "
+                             "step's cost is the same; long contexts' prefills take minutes on a CPU); "
+                             "leaves out generate()'s rows")
+    parser.add_argument("--new_tokens", type=int,
+                        help="single-token steps per round and variant in decoding (default: the preset's)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="training autocast, Newton-Schulz and decoding; auto: hardware.native_dtype's")
     parser.add_argument("--out", default="out/bench.json")
@@ -470,6 +501,7 @@ def main(argv=None):
     preset, device = dict(PRESETS[args.preset]), torch.device(args.device)
     preset["decode_batches"] = args.decode_batch or preset["decode_batches"]
     preset["contexts"] = args.contexts or preset["contexts"]
+    preset["new_tokens"] = args.new_tokens or preset["new_tokens"]
     shortest = preset["new_tokens"] + DECODE_WARMUP + 1  # a prompt of at least one token before them
     if min(preset["contexts"]) < shortest:
         parser.error(f"--contexts: {min(preset['contexts'])} is too short: the preset decodes "
@@ -497,7 +529,7 @@ def main(argv=None):
                    steps=preset["steps"], compile=compile,
                    dtype=f"{precision} autocast" if dtype == torch.bfloat16 else precision),
         decode=dict(batch_sizes=list(preset["decode_batches"]), contexts=list(preset["contexts"]),
-                    new_tokens=preset["new_tokens"], rounds=DECODE_ROUNDS,
+                    new_tokens=preset["new_tokens"], rounds=DECODE_ROUNDS, random_caches=args.random_caches,
                     dtype=str(dtype).removeprefix("torch.")),
         variants={},
     )
@@ -541,7 +573,7 @@ def main(argv=None):
                 result["variants"][attn]["decode"] = decode_rows
             save(result, args.out)
         decoded = bench_decode({attn: GPTConfig(attn=attn, **preset["model"]) for attn in result["variants"]},
-                               preset, device, dtype, args.compiled_decode, measured)
+                               preset, device, dtype, args.compiled_decode, measured, args.random_caches)
         for attn, (rows, uncached) in decoded.items():
             row = result["variants"][attn]
             row["decode"], row["uncached"] = rows, uncached
@@ -554,7 +586,8 @@ def main(argv=None):
                      + (f", compiled {d['compiled_ms_per_token']:.2f} after {d['compile_s']:.1f} s compiling"
                         if d["compiled_ms_per_token"] else "")
                      + f") at {d['context']}" for d in rows]
-            log(f"{attn}: decoding {', '.join(times)}; without the cache {uncached['speedup']:.1f}x the time")
+            speedup = f"; without the cache {uncached['speedup']:.1f}x the time" if uncached else ""
+            log(f"{attn}: decoding {', '.join(times)}{speedup}")
         save(result, args.out)
     print(markdown(result))
     log(f"wrote {args.out}; {time.perf_counter() - T0:.0f} s in all")

@@ -459,12 +459,24 @@ class LowRankKVAttention(Attention):
         r_v = self.U_v(x).view(B, T, self.n_residual, self.lrkv_rank)
         return {"v_shared": self.W_shared_v(x), "r_v": r_v}
 
+    def attend_values_reference(self, a, **values):
+        """What attend_values computes, by the plain equation: every head's cached V_h built
+        (values, of the value half's entries), then a_h V_h. (B, 1, H, d_h); the tests compare the two."""
+        return torch.einsum("bhs,bshd->bhd", a, self.values(**values)).unsqueeze(1)
+
     def attend_values(self, a, v_shared, r_v):
         """One new token's output (B, 1, H, d_h) from its attention a (B, H, S) over the cached
         values, by eq. 7: a_h V_h = a_h V_shared + (a_h R_h^V) (B_h^V)^T, as two products so that
-        V_shared is never copied per head, B_h^V applied once, to the result."""
+        V_shared is never copied per head, B_h^V applied once, to the result. The a_h R_h^V are
+        one GEMM with r_v in its own layout, (H, S) by (S, n_residual r) per sequence, of which head
+        h keeps its own residual's r columns: a per-head gather of r_v (einsum's) would copy all of
+        it, 145 MB at B = 16, S = 8,192, 128M, fp32, where the GEMM's n_residual-fold work is one
+        pass over r_v at a GEMM's speed."""
+        B, H, _ = a.shape
         y_shared = (a @ v_shared).unsqueeze(1)  # (B, 1, H, d_h)
-        y_res = torch.einsum("bhs,bshr->bhr", a, self.per_head(r_v)).unsqueeze(1)  # (B, 1, H, r)
+        y_all = (a @ r_v.flatten(2)).view(B, H, self.n_residual, self.lrkv_rank)  # every head by every R_g
+        heads = torch.arange(H, device=a.device)
+        y_res = y_all[:, heads, heads * self.n_residual // H].unsqueeze(1)  # (B, 1, H, r): a_h R_h^V
         return y_shared + self.residual(y_res, self.B_v)
 
     # checks, label, conversion
