@@ -17,7 +17,8 @@ DEMO_DATA := data/pydocs-byte/meta.json
 RUNS := mha lrkv-r2 lrkv-r8 mqa mla gqa
 CKPTS := $(foreach run,$(RUNS),$(DEMO)/$(run)/ckpt.pt)
 # A run's ckpt.pt exists from its first evaluation on, so make tracks a stamp that only a finished
-# run leaves: a run killed midway (even with make itself) starts over next time.
+# run leaves: a run killed midway (even with make itself) starts over next time, which train.py
+# does in a folder holding a run only when told to (--overwrite).
 TRAINED := $(CKPTS:ckpt.pt=trained)
 FLAGS_mha := --attn=mha
 FLAGS_lrkv-r2 := --attn=lrkv --lrkv_rank=2
@@ -44,7 +45,8 @@ $(DEMO_DATA): | $(VENV)/installed
 $(DEMO)/%/trained: $(DEMO_DATA)
 	@mkdir -p $(@D)
 	@echo "training $* -> $(@D)/train.out"
-	@OMP_NUM_THREADS=1 $(PY) train.py config/demo.py $(FLAGS_$*) --seed=$(SEED) --out_dir=$(@D) > $(@D)/train.out \
+	@OMP_NUM_THREADS=1 $(PY) train.py config/demo.py $(FLAGS_$*) --seed=$(SEED) --out_dir=$(@D) --overwrite \
+		> $(@D)/train.out \
 		|| { tail -n 5 $(@D)/train.out; exit 1; }
 	@echo "$*: $$(tail -n 1 $(@D)/train.out)"
 	@touch $@
@@ -87,7 +89,8 @@ $(CONVERT)/%/trained: $(DEMO)/mha/trained
 	@echo "converting $(DEMO)/mha to $* -> $(@D)/train.out"
 	@OMP_NUM_THREADS=1 $(PY) train.py config/demo.py config/convert.py $(FLAGS_$*) --seed=$(SEED) \
 		$(if $(findstring -white,$*),,--calibration_tokens=0) \
-		--init_from=$(DEMO)/mha/ckpt.pt --out_dir=$(@D) > $(@D)/train.out || { tail -n 5 $(@D)/train.out; exit 1; }
+		--init_from=$(DEMO)/mha/ckpt.pt --out_dir=$(@D) --overwrite > $(@D)/train.out \
+		|| { tail -n 5 $(@D)/train.out; exit 1; }
 	@echo "$*: $$(grep 'step 0 |' $(@D)/train.out) -> $$(tail -n 1 $(@D)/train.out)"
 	@touch $@
 
@@ -112,7 +115,7 @@ $(GPU_DATA): | $(VENV)/installed
 	$(PY) prepare_data.py --dataset=fineweb-edu --max_tokens=300000000
 
 $(GPU_DEMO)/%/trained: $(GPU_DATA)
-	$(PY) train.py config/gpu.py $(FLAGS_$*) --seed=$(SEED) --out_dir=$(@D)
+	$(PY) train.py config/gpu.py $(FLAGS_$*) --seed=$(SEED) --out_dir=$(@D) --overwrite
 	touch $@
 
 gpu-demo: $(GPU_CKPTS:ckpt.pt=trained)

@@ -22,7 +22,6 @@ Everything runs on the CPU in float64, but for the MHA model's forward pass over
 data (fp32), which gives rank_energy.png's inputs.
 """
 
-import argparse
 import dataclasses
 import json
 import math
@@ -35,11 +34,11 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from checkpoint import load_checkpoint, read_log
-from configurator import ConfigError
+from checkpoint import check_writable, load_checkpoint, read_log
+from configurator import ArgumentParser, ConfigError
 from convert import attention_input_covariances, head_kv_weights
 from model import ATTENTION, shared_plus_low_rank
-from prepare_data import TrainBatches, read_shard, shard_paths
+from prepare_data import TrainBatches, atomic_open, read_shard, shard_paths, write_atomic
 from train import TrainConfig
 
 
@@ -158,7 +157,8 @@ def analyze(path):
     """The checkpoint's config, and what analysis.json records of it apart from its label."""
     try:
         ckpt, model = load_checkpoint(path)
-    except ConfigError as e:  # one line that names the checkpoint
+        records = read_log(Path(path).parent)
+    except ConfigError as e:  # one line that names the checkpoint or its log
         sys.exit(str(e))
     config = model.config
     # LRKV's W_shared + U_h B_h^T and MLA's W_down W_up,h are composed in float64 as well; only
@@ -172,7 +172,6 @@ def analyze(path):
         for name, shape in block.attn.cache_shapes().items():
             cached[name] = cached.get(name, 0) + math.prod(shape)
     validation = {key: None if ckpt.get(key) is None else float(ckpt[key]) for key in ("val_loss", "val_bpb")}
-    records = read_log(Path(path).parent)
     init_from = ckpt.get("config", {}).get("init_from") or None
     init_from_args = source_args(init_from)
     converted = init_from_args is not None and init_from_args != dataclasses.asdict(config)
@@ -477,8 +476,8 @@ def index_or_mean(value):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        description="Head diversity of GPT checkpoints, from their weights alone.")
+    parser = ArgumentParser(
+        prog="analyze.py", description="Head diversity of GPT checkpoints, from their weights alone.")
     parser.add_argument("ckpts", nargs="+", help="checkpoints, or folders holding */ckpt.pt")
     parser.add_argument("--out_dir", type=Path,
                         help="where the figures and analysis.json go (default: the first argument if it is "
@@ -493,6 +492,12 @@ def main(argv=None):
     parser.add_argument("--centered", action="store_true",
                         help="plot the PCA-based (double-centred) effective rank")
     args = parser.parse_args(argv)
+    first = Path(args.ckpts[0])
+    out_dir = args.out_dir or (first if first.is_dir() else first.parent)
+    try:
+        check_writable(out_dir / "analysis.json")  # before the analysis, not after it
+    except ConfigError as e:
+        sys.exit(str(e))
 
     paths = []
     for name in map(Path, args.ckpts):
@@ -513,9 +518,6 @@ def main(argv=None):
             if not -run["n_layer"] <= args.layer < run["n_layer"]:
                 fail(run["ckpt"], f"has {run['n_layer']} layers, so no --layer {args.layer}")
 
-    first = Path(args.ckpts[0])
-    out_dir = args.out_dir or (first if first.is_dir() else first.parent)
-    out_dir.mkdir(parents=True, exist_ok=True)
     print_table(runs)
     figures = {
         "effective_rank.png": plot_effective_rank(runs, args.centered),
@@ -532,13 +534,19 @@ def main(argv=None):
             print(f"rank_energy.png from the weights alone, with no inputs to see them through: {missing}")
         figures["rank_energy.png"] = plot_rank_energy(mha, len(mha["rank_energy"]["keys"][0]))
     needs = {"kv_tradeoff.png": "validation numbers", "loss_curves.png": "a log.jsonl beside it"}
-    for name, fig in figures.items():
-        if fig is None:
-            print(f"no checkpoint carries {needs[name]}, so no {name}")
-        else:
-            fig.savefig(out_dir / name, dpi=150)
-    with open(out_dir / "analysis.json", "w") as f:
-        json.dump({"runs": runs}, f)
+    # each file whole or not at all, should the disk fill meanwhile: the last analysis stays whole
+    try:
+        for name, fig in figures.items():
+            written = out_dir / name
+            if fig is None:
+                print(f"no checkpoint carries {needs[name]}, so no {name}")
+            else:
+                with atomic_open(written) as f:
+                    fig.savefig(f, format="png", dpi=150)
+        written = out_dir / "analysis.json"
+        write_atomic(written, json.dumps({"runs": runs}).encode())
+    except OSError as e:
+        fail(written, f"cannot be written: {e.strerror}")
     print(f"wrote the figures and analysis.json to {out_dir}")
 
 

@@ -38,10 +38,10 @@ import argparse
 import itertools
 import json
 import math
-import os
 import platform
 import re
 import statistics
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -51,8 +51,10 @@ import torch
 from torch.autograd import DeviceType
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from checkpoint import check_writable
+from configurator import ArgumentParser, ConfigError
 from fast_decode import compiled_step, fix
-from hardware import PRECISION_NAMES, native_dtype, peak_flops
+from hardware import DEVICES, PRECISION_NAMES, native_dtype, peak_flops, pick_device
 from model import ATTENTION, GPT, GPTConfig
 from prepare_data import atomic_open
 from train import TrainConfig, configure_optimizers, optimizer_step
@@ -373,8 +375,11 @@ def ceilings(p):
 
 
 def save(result, path):
-    with atomic_open(path) as f:
-        f.write(json.dumps(result, indent=1, allow_nan=False).encode())
+    try:
+        with atomic_open(path) as f:
+            f.write(json.dumps(result, indent=1, allow_nan=False).encode())
+    except OSError as e:  # a full disk: the last results saved stay whole
+        sys.exit(f"bench.py: {path}: cannot be written: {e.strerror}")
 
 
 def backend_times(ms):
@@ -463,9 +468,10 @@ def positive_ints(text):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="bench.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=PRESETS, default="cpu")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help=", ".join(DEVICES) + " (default: cuda where there is one, else cpu)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.compile the training step (default: on CUDA)")
     parser.add_argument("--compiled_decode", action=argparse.BooleanOptionalAction, default=True,
@@ -498,7 +504,12 @@ def main(argv=None):
                         help="training autocast, Newton-Schulz and decoding; auto: hardware.native_dtype's")
     parser.add_argument("--out", default="out/bench.json")
     args = parser.parse_args(argv)
-    preset, device = dict(PRESETS[args.preset]), torch.device(args.device)
+    try:
+        device = pick_device(args.device)
+        check_writable(args.out)  # before the measuring, not after it
+    except ConfigError as e:
+        parser.error(str(e))
+    preset = dict(PRESETS[args.preset])
     preset["decode_batches"] = args.decode_batch or preset["decode_batches"]
     preset["contexts"] = args.contexts or preset["contexts"]
     preset["new_tokens"] = args.new_tokens or preset["new_tokens"]
@@ -516,7 +527,6 @@ def main(argv=None):
     log(f"precision: {precision} (training autocast, Newton-Schulz, decoding): {why}")
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # as train.py: TF32 where autocast leaves fp32
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:

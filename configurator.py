@@ -1,17 +1,73 @@
 """
 Flags and presets, as train.py and plan.py read them: every field of the config dataclasses is a
 --name=value flag, and a positional argument is a preset, a Python file assigning field names,
-applied before the flags. Any mistake is a ConfigError, reported as one line.
+applied before the flags. Any mistake is a ConfigError, reported as one line. Beside them, what
+every script shares in reading its input: ArgumentParser, whose errors are one line, and
+check_fields, which checks a record read from a file (meta.json, a checkpoint) field by field.
 """
 
+import argparse
 import dataclasses
 import difflib
+import sys
 import typing
 from pathlib import Path
+
+# torch.manual_seed takes a seed in [0, 2**64): one outside it is refused before anything runs
+SEED_LIMIT = 2**64
 
 
 class ConfigError(Exception):
     """A bad flag, preset, data folder or checkpoint: reported as one line before anything is written."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, but an error is one line on stderr, `prog: error: message` (where
+    argparse knows them, the valid choices are in the message), and exit code 2, argparse's;
+    not the usage block. prog is the script's file name, however the script was started."""
+
+    def error(self, message):
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def seed(text):
+    """An argparse type: an integer seed that torch.manual_seed takes."""
+    n = int(text)  # not an integer: argparse's "invalid seed value"
+    if not 0 <= n < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"{text}: must be between 0 and 2**64 - 1")
+    return n
+
+
+def check_fields(where, record, spec, optional=()):
+    """record as spec describes it, or a ValueError naming where (a file) and the field. spec maps
+    each field to a type (or a tuple of types), to a dict spec of its own fields, or to [spec], a
+    list of such values. Every field is required but those in optional (top-level only); fields
+    that spec does not name are left alone."""
+    def check(name, value, kind):
+        if isinstance(kind, dict):
+            if not isinstance(value, dict):
+                what = f"field {name!r}" if name else "it"
+                raise ValueError(f"{where}: {what} is {type(value).__name__}, expected dict")
+            for field, field_kind in kind.items():
+                path = f"{name}.{field}" if name else field
+                if field in value:
+                    check(path, value[field], field_kind)
+                elif not (name == "" and field in optional):
+                    raise ValueError(f"{where}: field {path!r} is missing")
+        elif isinstance(kind, list):
+            if not isinstance(value, list):
+                raise ValueError(f"{where}: field {name!r} is {type(value).__name__}, expected list")
+            for i, item in enumerate(value):
+                check(f"{name}[{i}]", item, kind[0])
+        else:
+            kinds = kind if isinstance(kind, tuple) else (kind,)
+            # True is an int to isinstance, but no count of anything
+            if not isinstance(value, kinds) or type(value) is bool and bool not in kinds:
+                names = " or ".join(k.__name__ for k in kinds)
+                raise ValueError(f"{where}: field {name!r} is {type(value).__name__}, expected {names}")
+    check("", record, spec)
+    return record
 
 
 def base_type(field):

@@ -15,13 +15,28 @@ PRECISION_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
 
 
+# What --device takes, in every script. No index: under torchrun the local rank picks the GPU,
+# and CUDA_VISIBLE_DEVICES picks one for a single process.
+DEVICES = ("auto", "cuda", "mps", "cpu")
+
+
+def check_device(name):
+    """name if it is one of DEVICES, else a ConfigError of one line that lists them."""
+    if name not in DEVICES:
+        raise ConfigError(f"--device={name}: not a device; valid: {', '.join(DEVICES)} "
+                          "(CUDA_VISIBLE_DEVICES picks the GPU)")
+    return name
+
+
 def pick_device(name, local_rank=0):
-    """The torch.device that --device names ("auto": cuda, then mps, then cpu), or a ConfigError."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    if (name == "cuda" and not torch.cuda.is_available()
-            or name == "mps" and not torch.backends.mps.is_available()):
-        raise ConfigError(f"--device={name}: not available on this machine")
+    """The torch.device that --device names ("auto": cuda, then mps, then cpu), or a ConfigError
+    that lists the devices this machine has."""
+    available = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available(), "cpu": True}
+    if check_device(name) == "auto":
+        name = next(device for device, present in available.items() if present)
+    if not available[name]:
+        here = ", ".join(["auto", *(device for device, present in available.items() if present)])
+        raise ConfigError(f"--device={name}: not available on this machine; valid here: {here}")
     return torch.device("cuda", local_rank) if name == "cuda" else torch.device(name)
 
 

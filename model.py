@@ -815,7 +815,13 @@ class GPT(nn.Module):
             if temperature == 0:
                 next_token = logits.argmax(dim=-1, keepdim=True)
             else:
-                logits = logits / temperature
+                # from the largest logit down, in fp32, so that a temperature too small for floating
+                # point sends every other logit to -inf, leaving the likeliest token (greedy): the
+                # logits themselves would overflow to inf, and softmax to nan. Below fp32's smallest
+                # normal number a temperature would round to 0: it divides by that number instead.
+                logits = logits.float()
+                tiny = torch.finfo(torch.float32).tiny
+                logits = (logits - logits.amax(-1, keepdim=True)) / max(temperature, tiny)
                 if top_k is not None:
                     kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
                     logits = logits.masked_fill(logits < kth, float("-inf"))

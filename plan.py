@@ -65,7 +65,7 @@ import muon
 import parallel
 import train
 from bench import variants
-from configurator import ConfigError
+from configurator import ArgumentParser, ConfigError
 from model import ATTENTION, GPT, GPTConfig
 
 GIB = 2**30
@@ -431,14 +431,10 @@ def positive(kind, most=math.inf):
     return parse
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not the usage block: main prints it
-        raise ConfigError(message)
-
-
 def main(argv=None):
     """Print the plan (or measure); the exit code: 0 done, 2 bad input."""
-    parser = Parser(description=__doc__.strip().split("\n\n")[0], allow_abbrev=False)
+    parser = ArgumentParser(prog="plan.py", description=__doc__.strip().split("\n\n")[0],
+                            allow_abbrev=False)
     parser.add_argument("--gpus", type=positive(int), default=8)
     parser.add_argument("--gpu_memory_gib", type=gib_list, default=[80.0, 141.0],
                         help="the GPU's memory; comma-separated for several (default: 80,141)")

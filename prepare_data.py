@@ -10,9 +10,11 @@ Writes data/<dataset>-<tokenizer>/ (or --out_dir): train_NNNNNN.bin and val_NNNN
 shards plus meta.json. A shard is a 24-byte header (magic, version, token count) followed
 by little-endian uint16 tokens. Every document starts with the end-of-text token, and each
 whole document goes to either train or val. meta.json is written last: a folder without it
-is unfinished, and rerunning the same command resumes after the last finished shard.
+is unfinished, and rerunning the same command resumes after the last finished shard. meta.json
+(and progress.json, its unfinished form) records each shard's largest token, so that train.py
+checks the tokens against the vocabulary without reading them; both are checked field by field
+(META_FIELDS) wherever they are read.
 """
-import argparse
 import ast
 import base64
 import hashlib
@@ -33,6 +35,8 @@ import tiktoken
 import torch
 from tiktoken_ext.openai_public import r50k_pat_str
 from tqdm import tqdm
+
+from configurator import ArgumentParser, ConfigError, check_fields
 
 MAGIC = b"LRKVTOK\0"
 VERSION = 1
@@ -66,14 +70,23 @@ def read_shard(path):
 def atomic_open(path):
     """A binary file that appears at path only once it is whole: written under a temporary
     name, synced and renamed, so a killed run never leaves a file that looks finished but is
-    cut short, and never destroys the previous version."""
+    cut short, and never destroys the previous version. A write that fails (a full disk, a
+    folder gone) removes the temporary file, which would only fill the disk further; a kill
+    cannot, and leaves it for the next write to replace."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        yield f
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # the folder itself is what failed: the error that got here says so
+            pass
+        raise
 
 def write_atomic(path, *parts):
     with atomic_open(path) as f:
@@ -92,35 +105,88 @@ def prepare_command(data_dir):
     command = f"python prepare_data.py --dataset={dataset} --tokenizer={tokenizer}"
     return command if data_dir == Path("data", data_dir.name) else f"{command} --out_dir={data_dir}"
 
+# What meta.json and progress.json hold, as configurator.check_fields reads a spec: largest_token
+# maps each shard's name to its largest token, which data made before it was recorded lacks
+META_FIELDS = dict(tokenizer=str, vocab_size=int, eot_id=int, source=str, train_tokens=int, val_tokens=int,
+                   train_bytes=int, val_bytes=int, shards=dict(train=[str], val=[str]), documents=int,
+                   settings=dict, largest_token=dict)
+
+def read_state(path):
+    """meta.json or progress.json, checked field by field: a ValueError names the file and field."""
+    try:
+        state = json.loads(Path(path).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
+    check_fields(path, state, META_FIELDS, optional=("largest_token",))
+    for split in ("train", "val"):
+        for name in state["shards"][split]:
+            if Path(name).name != name or not name.endswith(".bin"):  # never a path out of the folder
+                raise ValueError(f"{path}: field 'shards.{split}' names {name!r}, not a shard file")
+    return state
+
 def load_meta(data_dir):
     path = Path(data_dir) / "meta.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: make the data with `{prepare_command(data_dir)}`")
-    return json.loads(path.read_text())
+    return read_state(path)
 
 def shard_paths(data_dir, split):
     return [Path(data_dir) / name for name in sorted(load_meta(data_dir)["shards"][split])]
+
+def read_shards(data_dir, split):
+    """The split's shards (read_shard), each checked to hold only tokens in meta.json's vocabulary
+    (check_tokens), by its largest_token where meta.json records it and a train shard, else by
+    reading it, once: val is a small share of the data, and every token of it is evaluated."""
+    meta = load_meta(data_dir)
+    shards = []
+    for path in shard_paths(data_dir, split):
+        shards.append(read_shard(path))
+        largest = meta.get("largest_token", {}).get(path.name) if split == "train" else None
+        check_tokens(path, shards[-1], meta["vocab_size"], largest=largest)
+    return shards
+
+def check_tokens(path, tokens, vocab_size, start=0, largest=None):
+    """A ConfigError naming the shard at path and the offset of the first of tokens (which start at
+    offset start in it) outside vocab_size, if one is; largest, where meta.json records it, spares
+    reading the tokens, and otherwise is computed here, once."""
+    if len(tokens) == 0 or (largest if largest is not None else int(tokens.max())) < vocab_size:
+        return
+    bad = np.flatnonzero(np.asarray(tokens) >= vocab_size)
+    where = (f"token {int(tokens[bad[0]])} at offset {start + int(bad[0])}" if len(bad)
+             else f"largest token {largest} (meta.json's largest_token)")
+    raise ConfigError(f"{path}: {where} is outside the vocabulary of {vocab_size} tokens: "
+                      f"make the data again with `{prepare_command(Path(path).parent)}`")
 
 
 class TrainBatches:
     """Step s's global batch is batch_size windows of block_size + 1 tokens, at window starts that a
     generator seeded with (seed, s) draws among all windows inside the train shards. A batch depends
     on nothing but (seed, step), so a resumed run sees the batches of the uninterrupted one, and
-    rank r takes the r-th contiguous share of it, so N processes see what one process would."""
+    rank r takes the r-th contiguous share of it, so N processes see what one process would.
+    With vocab_size, every batch is checked to hold only tokens below it before it reaches an
+    embedding, where one outside would index past the table (on a GPU, a device-side assert
+    that names nothing): a max over the batch's tokens, microseconds a step."""
 
-    def __init__(self, shards, block_size):
-        self.shards, self.block_size = shards, block_size
+    def __init__(self, shards, block_size, vocab_size=None):
+        self.shards, self.block_size, self.vocab_size = shards, block_size, vocab_size
         self.ends = np.cumsum([max(len(shard) - block_size, 0) for shard in shards])
 
     def get(self, seed, step, batch_size, rank, world_size):
         """This rank's inputs and targets, (batch_size // world_size, block_size) int64 each."""
         starts = np.random.default_rng([seed, step]).integers(self.ends[-1], size=batch_size)
         share = batch_size // world_size
+        # the whole global batch is checked on every rank, so that all of them stop on a bad token
+        # together and rank 0, which reports errors, reports it
         rows = []
-        for start in starts[rank * share:(rank + 1) * share]:
+        for start in starts if self.vocab_size else starts[rank * share:(rank + 1) * share]:
             i = np.searchsorted(self.ends, start, side="right")
             offset = start - (self.ends[i - 1] if i else 0)
             rows.append(self.shards[i][offset:offset + self.block_size + 1])
+            if self.vocab_size and rows[-1].max() >= self.vocab_size:
+                path = getattr(self.shards[i], "filename", f"train shard {i}")  # a memmap knows its file
+                check_tokens(path, rows[-1], self.vocab_size, offset)
+        if self.vocab_size:
+            rows = rows[rank * share:(rank + 1) * share]
         windows = torch.from_numpy(np.stack(rows).astype(np.int64))
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
@@ -350,6 +416,7 @@ def tokenize(args, tok, batches, state, out_dir):
             out_dir.mkdir(parents=True, exist_ok=True)
             write_shard(out_dir / name, tokens)
             state["shards"][split].append(name)
+            state["largest_token"][name] = int(tokens.max())
             state[f"{split}_bytes"] += int(np.bincount(tokens, minlength=len(lengths)) @ lengths)
 
     def checkpoint():
@@ -399,7 +466,7 @@ def prepare(args):
     settings["input"] = args.input and [str(Path(p).resolve()) for p in args.input]
     meta, progress = out_dir / "meta.json", out_dir / "progress.json"
     found = [path for path in (meta, progress) if path.exists()]
-    state = json.loads(found[0].read_text()) if found else None
+    state = read_state(found[0]) if found else None
     if state and state["settings"] != settings:
         raise ValueError(f"{out_dir} holds data made with other settings "
                          f"({state['settings']}); choose another --out_dir")
@@ -411,13 +478,14 @@ def prepare(args):
             for name in state["shards"][split]:
                 read_shard(out_dir / name)
         print(f"resuming {out_dir} after {state['documents']:,} documents")
+        state.setdefault("largest_token", {})  # begun before shards recorded it: from here on
 
     tok = get_tokenizer(args.tokenizer)
     source, batches = open_source(args)
     print(f"reading {source}")
     state = state or dict(tokenizer=tok.name, vocab_size=tok.vocab_size, eot_id=tok.eot_id,
                           source=source, train_tokens=0, val_tokens=0, train_bytes=0, val_bytes=0,
-                          shards={"train": [], "val": []}, documents=0, settings=settings)
+                          shards={"train": [], "val": []}, documents=0, settings=settings, largest_token={})
     before, start = state["train_tokens"] + state["val_tokens"], time.time()
     tokenize(args, tok, batches, state, out_dir)
     write_atomic(meta, json.dumps(state, indent=2).encode())
@@ -425,10 +493,6 @@ def prepare(args):
     made = state["train_tokens"] + state["val_tokens"] - before
     print(f"{out_dir}: {state['train_tokens']:,} train and {state['val_tokens']:,} val tokens "
           f"({made / (time.time() - start):,.0f} tokens/s)")
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not the usage block
-        sys.exit(f"prepare_data.py: error: {message}")
 
 def count(text):  # int(float()) so that 1e9 works
     try:
@@ -446,7 +510,8 @@ def fraction(text):
     return x
 
 def main(argv=None):
-    parser = Parser(description="Turn text into the token shards that train.py reads.")
+    parser = ArgumentParser(prog="prepare_data.py",
+                            description="Turn text into the token shards that train.py reads.")
     parser.add_argument("--dataset", default="pydocs", choices=DATASETS)
     parser.add_argument("--tokenizer", default="gpt2", choices=TOKENIZERS)
     parser.add_argument("--input", nargs="+", help="text: .txt files or folders; fineweb-edu: "

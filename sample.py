@@ -16,6 +16,7 @@ block_size tokens at most.
 import argparse
 import codecs
 import math
+import os
 import sys
 import time
 
@@ -24,13 +25,8 @@ import torch
 from fast_decode import compiled_decode
 from prepare_data import get_tokenizer
 from checkpoint import load_checkpoint
-from configurator import ConfigError
-from hardware import native_dtype, pick_device
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not the usage block: main prints it
-        raise ConfigError(message)
+from configurator import ArgumentParser, ConfigError, seed
+from hardware import DEVICES, native_dtype, pick_device
 
 
 def positive_int(text):
@@ -62,16 +58,27 @@ def load_tokenizer(path, ckpt):
 
 
 def encode_prompt(prompt, tok):
+    """The prompt's tokens, from its bytes: a file's for FILE:path, else the command line's, which
+    Python holds as text, the bytes that are not UTF-8 as lone surrogates (os.fsencode gives them
+    back). The byte tokenizer takes any bytes as they are; GPT-2's encodes text, so it refuses a
+    prompt that is not UTF-8."""
     if prompt.startswith("FILE:"):
         try:
-            with open(prompt.removeprefix("FILE:"), encoding="utf-8") as f:
-                prompt = f.read()
+            with open(prompt.removeprefix("FILE:"), "rb") as f:
+                data = f.read()
         except OSError as e:
             raise ConfigError(f"--prompt={prompt}: {e.strerror}") from None
-        except UnicodeDecodeError:
-            raise ConfigError(f"--prompt={prompt}: not UTF-8 text") from None
+    else:
+        data = os.fsencode(prompt)
     # end-of-text opens every document in the shards: a prompt is the start of one
-    return [tok.eot_id, *tok.encode_batch([prompt])[0].tolist()]
+    if tok.name == "byte":
+        return [tok.eot_id, *data.replace(b"\0", b"")]  # as ByteTokenizer.encode_batch drops NUL
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--prompt: byte {e.start} ({data[e.start]:#04x}) is not UTF-8, and the {tok.name} "
+                          "tokenizer encodes text: give the prompt in UTF-8") from None
+    return [tok.eot_id, *tok.encode_batch([text])[0].tolist()]
 
 
 def decoding_dtype(ckpt, device):
@@ -87,8 +94,8 @@ def size(n_bytes):
 
 
 def main(argv=None):
-    """Sample; the exit code: 0 done, 2 bad input."""
-    parser = Parser(description=__doc__.strip().split("\n\n")[0])
+    """Sample; the exit code: 0 done, 2 bad input (a bad flag exits from parsing, with argparse's 2)."""
+    parser = ArgumentParser(prog="sample.py", description=__doc__.strip().split("\n\n")[0])
     parser.add_argument("ckpt", help="a ckpt.pt written by train.py")
     parser.add_argument("--prompt", default="",
                         help="the text to continue, or FILE:path for a file's; default: a new document. "
@@ -98,12 +105,13 @@ def main(argv=None):
     parser.add_argument("--max_new_tokens", type=positive_int, default=200,
                         help="as many as wanted: past the model's block_size the context goes on from its "
                              "most recent half (GPT.stream)")
-    parser.add_argument("--temperature", type=temperature, default=0.8, help="0: greedy")
+    parser.add_argument("--temperature", type=temperature, default=0.8,
+                        help="0: greedy; one so small that only the likeliest token is left is greedy too")
     parser.add_argument("--top_k", type=top_k, default=200,
                         help="draw from the k likeliest tokens; none: from all")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "mps", "cpu"),
-                        help="auto: cuda, else mps, else cpu")
+    parser.add_argument("--seed", type=seed, default=0, help="0 to 2**64 - 1")
+    parser.add_argument("--device", default="auto",
+                        help=f"{', '.join(DEVICES)}; auto: cuda, else mps, else cpu")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="weights and KV cache; auto: float32 for a run trained in it by choice "
                              "(--dtype=float32, as config/demo.py), else bf16 where the device computes it")
@@ -112,8 +120,8 @@ def main(argv=None):
     parser.add_argument("--compile", action="store_true",
                         help="compile the single-token step once, on fixed shapes: for a GPU (CUDA graphs); "
                              "a CPU spends about 20 s compiling to save a tenth of each step")
+    args = parser.parse_args(argv)
     try:
-        args = parser.parse_args(argv)
         device = pick_device(args.device, 0)
         ckpt, model = load_checkpoint(args.ckpt, device)
         tok = load_tokenizer(args.ckpt, ckpt)

@@ -19,6 +19,7 @@ import convert
 import prepare_data
 import train
 from model import GPT, GPTConfig
+from test_train import flip_a_bit
 
 H, D, D_QK = 4, 24, 6
 TINY = GPTConfig(
@@ -345,3 +346,45 @@ def test_a_converted_run_shows_where_it_started(tmp_path, capsys):
     assert marker["LRKV (r=2), converted"] == marker["Standard MHA, uptrained"]
     shapes = [marker[f"LRKV (r=2), converted{how}"] for how in ("", ", whitened", ", whitened, distilled")]
     assert all(a != b for i, a in enumerate(shapes) for b in shapes[i + 1:])
+
+
+def test_a_torn_log_loses_its_last_line_alone(tmp_path, capsys):
+    path = tmp_path / "mha" / "ckpt.pt"
+    save_checkpoint(path, attn="mha", log=[dict(step=1, loss=5.0), dict(step=2, loss=4.0)])
+    with open(path.parent / "log.jsonl", "a") as f:
+        f.write('{"step": 3, "lo')  # a crash in mid-append
+    analyze.main([str(path)])
+    err = capsys.readouterr().err
+    assert err == (f"note: {path.parent / 'log.jsonl'}: dropped its last line, cut short by a crash while it "
+                   """was written: '{"step": 3, "lo'\n""")
+    run = json.loads((path.parent / "analysis.json").read_text())["runs"][0]
+    tokens = 3 * TINY.block_size  # save_checkpoint's batch_size of 3
+    assert run["curves"]["train"] == [[tokens, 5.0], [2 * tokens, 4.0]]
+
+
+def test_a_damaged_checkpoint_or_log_and_bad_flags_are_one_line(tmp_path, capsys):
+    """A flipped bit in a checkpoint with a digest (as train.py writes them), a log line that is no
+    record, flags argparse refuses and a folder that cannot be written: one line, no analysis."""
+    path = tmp_path / "mha" / "ckpt.pt"
+    save_checkpoint(path, attn="mha", log=[dict(step=1, loss=5.0), dict(loss=4.0)])
+    with pytest.raises(SystemExit) as exit:
+        analyze.main([str(path)])
+    assert exit.value.code == f"{path.parent / 'log.jsonl'}, line 2: field 'step' is missing"
+    checkpoint.save_checkpoint(path, torch.load(path, weights_only=True))
+    flip_a_bit(path)
+    with pytest.raises(SystemExit) as exit:
+        analyze.main([str(path)])
+    assert exit.value.code == (f"{path}: damaged: its contents do not match the digest saved with them; "
+                               "restore it from a copy or train it again")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as exit:
+        analyze.main([str(path), f"--out_dir={tmp_path / 'file'}"])
+    written = tmp_path / "file" / "analysis.json"
+    assert exit.value.code == f"{written}: cannot be written: its folder is a file"
+    for args, says in ((["--layer=first"], "argument --layer: invalid index_or_mean value: 'first'"),
+                       (["--bogus"], "unrecognized arguments: --bogus"), ([], "the following arguments are "
+                                                                            "required: ckpts")):
+        with pytest.raises(SystemExit) as exit:
+            analyze.main(args + ([str(path)] if args else []))
+        assert exit.value.code == 2 and capsys.readouterr().err == f"analyze.py: error: {says}\n"
+    assert not (path.parent / "analysis.json").exists()

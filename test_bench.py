@@ -130,3 +130,24 @@ def test_peaks_measures_both_ceilings_per_thread_count(tmp_path, capsys):
     assert all(positive_numbers(p, "matmul_gflops", "read_gb_per_s") for p in result["peaks"])
     assert all(p["matmul"] == f"256^3 {result['decode']['dtype']}" for p in result["peaks"])  # its dtype
     assert "Ceilings (measure_peaks, best of 5): 1 thread: 256^3 " in capsys.readouterr().out
+
+
+# each with what its line says: argparse's quoting of choices varies with the Python version
+@pytest.mark.parametrize("args, says", [
+    (["--preset=huge"], ["argument --preset: invalid choice: 'huge' (choose from ", "cpu", "tiny", "128m"]),
+    (["--bogus"], ["unrecognized arguments: --bogus"]),
+    (["--attn=mqa,foo"], ["argument --attn: foo: not one of mha, "]),
+    (["--device=tpu"], ["--device=tpu: not a device; valid: auto, cuda, mps, cpu (CUDA_VISIBLE_DEVICES"]),
+    (["--device=cpu:banana"], ["--device=cpu:banana: not a device; valid: auto, cuda, mps, cpu"]),
+    ([f"--device={'mps' if torch.cuda.is_available() else 'cuda'}"], ["not available on this machine"]),
+    (["--out={file}/bench.json"], ["{file}/bench.json: cannot be written: its folder is a file"]),
+    (["--out={tmp}"], [": cannot be written: it is a folder"]),
+])
+def test_bad_flags_are_one_line_before_anything_runs(args, says, tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    args = [a.format(file=tmp_path / "file", tmp=tmp_path) for a in args]
+    with pytest.raises(SystemExit) as exit:
+        bench.main(["--preset=tiny", *args])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.startswith("bench.py: error: ") and err.count("\n") == 1
+    assert all(part.format(file=tmp_path / "file") in err for part in says), err

@@ -2,6 +2,7 @@
 FineWeb-Edu path reads a parquet file written here with FineWeb-Edu's schema."""
 import codecs
 import hashlib
+import json
 import os
 import random
 import re
@@ -333,3 +334,53 @@ def test_other_settings_do_not_overwrite(tmp_path):
     assert result.returncode != 0 and result.stderr.count("\n") == 1
     assert "other settings" in result.stderr
     assert snapshot(tmp_path / "out") == before
+
+def small_dataset(tmp_path, *flags):
+    """pd.main's arguments for 40 texts as files, into tmp_path / "out", and flags."""
+    (tmp_path / "in").mkdir()
+    for i, text in enumerate(make_texts(40, seed=3)):
+        (tmp_path / "in" / f"{i}.txt").write_text(text, encoding="utf-8")
+    return ["--dataset=text", "--tokenizer=byte", f"--input={tmp_path / 'in'}",
+            f"--out_dir={tmp_path / 'out'}", *flags]
+
+def test_meta_records_each_shards_largest_token(tmp_path):
+    pd.main(small_dataset(tmp_path, "--shard_tokens=2000"))
+    meta = pd.load_meta(tmp_path / "out")
+    largest = {name: int(pd.read_shard(tmp_path / "out" / name).max())
+               for name in meta["shards"]["train"] + meta["shards"]["val"]}
+    assert len(largest) > 2 and meta["largest_token"] == largest
+
+# each edit gives meta.json's new contents, from what prepare_data.py wrote
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: {k: v for k, v in m.items() if k != "shards"}, "field 'shards' is missing"),
+    (lambda m: {**m, "shards": {"train": m["shards"]["train"]}}, "field 'shards.val' is missing"),
+    (lambda m: {**m, "shards": {**m["shards"], "train": "x.bin"}}, "'shards.train' is str, expected list"),
+    (lambda m: {**m, "shards": {**m["shards"], "train": [3]}}, "'shards.train[0]' is int, expected str"),
+    (lambda m: {**m, "shards": {**m["shards"], "train": ["../x.bin"]}}, "names '../x.bin', not a shard file"),
+    (lambda m: {**m, "vocab_size": "256"}, "field 'vocab_size' is str, expected int"),
+    (lambda m: {**m, "vocab_size": True}, "field 'vocab_size' is bool, expected int"),
+    (lambda m: [1, 2], "it is list, expected dict"),
+    (lambda m: "{not json", "not JSON"),
+])
+def test_hand_edited_meta_json_names_the_file_and_the_field(tmp_path, edit, message):
+    pd.main(small_dataset(tmp_path))
+    path = tmp_path / "out" / "meta.json"
+    edited = edit(json.loads(path.read_text()))
+    path.write_text(edited if isinstance(edited, str) else json.dumps(edited))
+    with pytest.raises(ValueError) as error:
+        pd.load_meta(tmp_path / "out")
+    assert str(error.value).startswith(f"{path}: ") and message in str(error.value)
+
+def test_hand_edited_progress_json_is_one_line(tmp_path, monkeypatch):
+    args = small_dataset(tmp_path)
+    kill_when_writing(monkeypatch, "meta.json")
+    with pytest.raises(KeyboardInterrupt):
+        pd.main(args)
+    monkeypatch.undo()
+    progress = tmp_path / "out" / "progress.json"
+    state = json.loads(progress.read_text())
+    del state["settings"]
+    progress.write_text(json.dumps(state))
+    with pytest.raises(SystemExit) as exit:
+        pd.main(args)
+    assert exit.value.code == f"prepare_data.py: error: {progress}: field 'settings' is missing"

@@ -3,6 +3,7 @@ the cache and without; a seed reproduces a sample and draws what generate() draw
 GPT.stream; end-of-text ends a sample; a character split over byte tokens prints whole as soon as
 it is; the last line reports the speed and kv_cache_bytes; bad input is one line and exit code 2."""
 
+import os
 import re
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import sample
 import train
 from fast_decode import compiled_decode
 from model import GPT
-from test_train import data_dir, flags  # noqa: F401 (data_dir is a fixture)
+from test_train import data_dir, flags, flip_a_bit  # noqa: F401 (data_dir is a fixture)
 
 REPO = Path(__file__).resolve().parent
 BYTES = prepare_data.get_tokenizer("byte")
@@ -151,13 +152,29 @@ def test_a_sample_goes_on_past_the_models_context(capsys, ckpt, model, tmp_path)
 
 
 def bad_inputs(ckpt, tmp_path):
-    """(arguments, what the error line says) for each kind of bad input."""
-    junk, untokenized = tmp_path / "junk.pt", tmp_path / "old.pt"
+    """(arguments, what the error line says) for each kind of bad input. The hand-edited
+    checkpoints have no digest, as those from before digests: with theirs, they would be refused
+    as damaged."""
+    names = ("junk.pt", "old.pt", "fifo.pt", "bad.pt")
+    junk, untokenized, fifo, damaged = (tmp_path / name for name in names)
     junk.write_bytes(b"not a checkpoint")
-    saved = torch.load(ckpt, weights_only=True)
+    saved = {k: v for k, v in torch.load(ckpt, weights_only=True).items() if k != "digest"}
     torch.save({k: v for k, v in saved.items() if k != "tokenizer"}, untokenized)
+    torch.save({**saved, "tokenizer": "byte"}, tmp_path / "string.pt")
+    torch.save({**saved, "tokenizer": {**saved["tokenizer"], "tokenizer": "gpt2"}}, tmp_path / "gpt2.pt")
+    os.mkfifo(fifo)  # reading it would wait for a writer forever
+    damaged.write_bytes(ckpt.read_bytes())
+    flip_a_bit(damaged)
     unavailable = "mps" if torch.cuda.is_available() else "cuda"
     return [
+        ([fifo], "fifo.pt: not a regular file, so not a checkpoint"),
+        ([damaged], "bad.pt: damaged: its contents do not match the digest saved with them"),
+        ([tmp_path / "string.pt"], "string.pt: field 'tokenizer' is str, expected dict"),
+        ([tmp_path / "gpt2.pt", "--prompt=def \udcff"],
+         "--prompt: byte 4 (0xff) is not UTF-8, and the gpt2 tokenizer encodes text"),
+        ([ckpt, f"--seed={2**64}"], f"argument --seed: {2**64}: must be between 0 and 2**64 - 1"),
+        ([ckpt, "--device=tpu"], "--device=tpu: not a device; valid: auto, cuda, mps, cpu"),
+        ([ckpt, "--device=cpu:banana"], "--device=cpu:banana: not a device; valid: auto, cuda, mps, cpu"),
         ([tmp_path / "missing.pt"], "missing.pt: No such file or directory"),
         ([junk], "junk.pt: not a PyTorch checkpoint"),
         ([untokenized], "old.pt: has no 'tokenizer'"),
@@ -180,10 +197,18 @@ def test_auto_dtype_is_the_precision_policy_unless_the_run_chose_float32(ckpt):
     assert sample.decoding_dtype(saved, torch.device("cpu")) == hardware.native_dtype("cpu")[0]
 
 
+def exit_code(argv):
+    """sample.main's exit code, a bad flag's included: argparse exits with it while parsing."""
+    try:
+        return sample.main(argv)
+    except SystemExit as e:
+        return e.code
+
+
 def test_bad_input_is_one_line_and_exit_code_2(capsys, ckpt, tmp_path):
     for args, says in bad_inputs(ckpt, tmp_path):
         # a --device in args comes later: it wins
-        assert sample.main(["--device=cpu", *map(str, args)]) == 2, args
+        assert exit_code(["--device=cpu", *map(str, args)]) == 2, args
         out, err = capsys.readouterr()
         assert out == "" and err.count("\n") == 1, (args, err)
         assert err.startswith("sample.py: ") and says in err, (args, err)
@@ -196,3 +221,22 @@ def test_bad_input_from_the_command_line(ckpt, tmp_path):
                             text=True, timeout=60)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.count("\n") == 1 and says in result.stderr
+
+
+def test_a_prompt_that_is_not_utf8_is_its_bytes_to_the_byte_tokenizer(capsys, ckpt, tmp_path):
+    """From the command line (its bytes as a subprocess gets them, and as Python hands them to
+    main), or from a file, the same bytes make the same prompt and sample."""
+    (tmp_path / "prompt.bin").write_bytes(b"def \xff")
+    from_file = run(capsys, ckpt, f"--prompt=FILE:{tmp_path / 'prompt.bin'}", "--temperature=0")[0]
+    assert run(capsys, ckpt, "--prompt=def \udcff", "--temperature=0")[0] == from_file
+    assert from_file[0].startswith("def \ufffd")
+    result = subprocess.run([sys.executable, "sample.py", str(ckpt), b"--prompt=def \xff", "--temperature=0",
+                             f"--max_new_tokens={NEW}", "--device=cpu"], cwd=REPO, capture_output=True,
+                            timeout=60)
+    assert result.returncode == 0 and result.stdout.decode().split(SEPARATOR)[:-1] == from_file
+
+
+def test_a_temperature_too_small_for_floating_point_is_greedy(capsys, ckpt):
+    greedy = run(capsys, ckpt, f"--prompt={PROMPT}", "--temperature=0")[0]
+    for tiny in ("1e-45", "1e-300"):
+        assert run(capsys, ckpt, f"--prompt={PROMPT}", f"--temperature={tiny}")[0] == greedy, tiny

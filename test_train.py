@@ -1,15 +1,22 @@
 """train.py on a tiny model and a tiny byte-level dataset, on the CPU: it learns, resumes exactly,
 splits over two gloo processes without changing the losses, survives a kill while saving, and
-turns bad input into one line and exit code 2 with nothing written."""
+turns bad input into one line and exit code 2 with nothing written. What real machines do ends in
+one line with nothing lost: a full disk, a second run in the folder, a torn log, tokens outside
+the vocabulary, a damaged checkpoint."""
 
+import gc
 import json
 import math
+import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -68,7 +75,7 @@ def test_loss_falls_and_checkpoint_holds_the_run(full_run):
 
     ckpt = torch.load(full_run / "ckpt.pt", weights_only=True)
     assert set(ckpt) == {"model", "model_args", "optimizers", "step", "val_loss", "val_bpb", "best_val_loss",
-                         "best_val_bpb", "config", "tokenizer", "rng"}
+                         "best_val_bpb", "config", "tokenizer", "rng", "digest"}
     assert ckpt["step"] == STEPS and len(ckpt["optimizers"]) == 2
     assert ckpt["val_loss"] == val[STEPS] and ckpt["best_val_loss"] == min(val.values())
     assert ckpt["val_bpb"] == records(full_run, "val_bpb")[STEPS]
@@ -301,7 +308,8 @@ def test_a_diverging_run_stops_and_keeps_its_last_checkpoint(data_dir, tmp_path,
     assert train.main(flags(data_dir=data_dir, out_dir=tmp_path, max_steps=2, eval_interval=2)) == 0
     kept = (tmp_path / "ckpt.pt").read_bytes()
     capsys.readouterr()
-    diverging = flags(data_dir=data_dir, out_dir=tmp_path, max_steps=4, eval_interval=2, muon_lr="inf")
+    diverging = flags(data_dir=data_dir, out_dir=tmp_path, max_steps=4, eval_interval=2, muon_lr="inf",
+                      overwrite=True)
     assert train.main(diverging) == 1
     err = capsys.readouterr().err
     assert "the loss is nan; stopping" in err and "left as it was" in err
@@ -317,6 +325,10 @@ def test_a_diverging_run_stops_and_keeps_its_last_checkpoint(data_dir, tmp_path,
     (["--vocab_size=50304"], "--vocab_size=256"),
     (["--eval_tokens=100000"], "lower --eval_tokens"),
     (["--resume"], "to resume from"),
+    (["--device=tpu"], "--device=tpu: not a device; valid: auto, cuda, mps, cpu"),
+    (["--device=cpu:banana"], "--device=cpu:banana: not a device; valid: auto, cuda, mps, cpu"),
+    ([f"--device={'mps' if torch.cuda.is_available() else 'cuda'}"], "not available on this machine; valid"),
+    ([f"--seed={2**64}"], f"--seed={2**64}: must be between 0 and 2**64 - 1"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(bad, message, data_dir, tmp_path, capsys):
     out = tmp_path / "out"
@@ -480,8 +492,8 @@ def test_a_bad_init_from_is_one_line_and_writes_nothing(problem, message, data_d
         extra = dict(n_embd=64, head_dim=32)
     elif problem == "mla":
         extra = dict(attn="mla", kv_lora_rank=8, rope_head_dim=8)
-    elif problem == "its own":
-        out = full_run
+    elif problem == "its own":  # --overwrite: without it, the run that full_run holds refuses it first
+        out, extra = full_run, dict(overwrite=True)
     before = {p.name: p.read_bytes() for p in out.iterdir()} if out.exists() else None
     assert train.main(flags(data_dir=data_dir, out_dir=out, init_from=init, **extra)) == 2
     err = capsys.readouterr().err
@@ -490,10 +502,194 @@ def test_a_bad_init_from_is_one_line_and_writes_nothing(problem, message, data_d
 
 
 def test_resume_reads_a_checkpoint_written_before_init_from_existed(data_dir, tmp_path):
-    """A checkpoint whose config lacks a later flag resumes as if that flag had its default."""
+    """A checkpoint whose config lacks a later flag resumes as if that flag had its default; one
+    from before digests (which this edit would not match) has none."""
     assert train.main(flags(data_dir=data_dir, out_dir=tmp_path, stop_after=STOP)) == 0
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
-    del ckpt["config"]["init_from"]
+    del ckpt["config"]["init_from"], ckpt["digest"]
     torch.save(ckpt, tmp_path / "ckpt.pt")
     assert train.main(flags(data_dir=data_dir, out_dir=tmp_path) + ["--resume"]) == 0
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == STEPS
+
+
+# ---------------------------------------------------------------------------------------------
+# What real machines do: full disks, two runs in one folder, torn logs, bad tokens, damaged files
+
+@contextmanager
+def small_disk(path, size, *options):
+    """A tmpfs of size mounted at path, to fill; the test skips where it cannot mount one (not root)."""
+    path.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join([f"size={size}", *options]), "tmpfs",
+                            str(path)], capture_output=True, text=True)
+    if mount.returncode:
+        pytest.skip(f"cannot mount a tmpfs: {mount.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        gc.collect()  # models in reference cycles may still map a checkpoint on it
+        subprocess.run(["umount", "--lazy", str(path)], check=True)
+
+
+def fill(disk):
+    """Write disk full."""
+    with open(disk / "filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(bytes(4096))
+        except OSError:
+            pass
+
+
+def flip_a_bit(path):
+    """Flip one bit of the checkpoint at path, inside its token embedding, as a failing disk might."""
+    weights = torch.load(path, weights_only=True)["model"]["wte.weight"].flatten()[:8].numpy().tobytes()
+    data = bytearray(path.read_bytes())
+    data[data.index(weights) + 3] ^= 0x10
+    path.write_bytes(data)
+
+
+def test_a_full_disk_stops_the_run_in_one_line_and_keeps_its_files_whole(data_dir, tmp_path, capsys):
+    """A 640 kB disk holds the 411 kB checkpoint of step 5, not the second copy that saving step
+    10's needs: the run stops there, the checkpoint of step 5 whole and no temporary file left.
+    --resume there stops the same way; with the disk filled, it is refused before it begins."""
+    with small_disk(tmp_path / "disk", "640k") as disk:
+        out = disk / "run"
+        ckpt = out / "ckpt.pt"
+        for resume in ([], ["--resume"]):
+            assert train.main(flags(data_dir=data_dir, out_dir=out) + resume) == 1
+            assert capsys.readouterr().err == (f"train.py: {ckpt}: No space left on device; "
+                                               "it is left as it was before this write\n")
+            assert sorted(p.name for p in out.iterdir()) == ["ckpt.pt", "log.jsonl"]
+            assert checkpoint.load_checkpoint(ckpt)[0]["step"] == STOP
+        fill(disk)
+        log, saved = (out / "log.jsonl").read_bytes(), ckpt.read_bytes()
+        assert train.main(flags(data_dir=data_dir, out_dir=out) + ["--resume"]) == 2
+        assert capsys.readouterr().err == (f"train.py: --out_dir={out}: cannot write there: "
+                                           "No space left on device\n")
+        assert (out / "log.jsonl").read_bytes() == log and ckpt.read_bytes() == saved
+        assert sorted(p.name for p in out.iterdir()) == ["ckpt.pt", "log.jsonl"]
+
+
+def test_a_full_disk_while_logging_leaves_the_log_whole(tmp_path):
+    with small_disk(tmp_path / "disk", "64k") as disk:
+        checkpoint.log(disk, dict(step=1, loss=2.0), "step 1")
+        fill(disk)
+        whole = (disk / "log.jsonl").read_bytes()
+        # more than the page that the last record left room in
+        with pytest.raises(checkpoint.WriteError, match="log.jsonl: No space left on device; it is left as"):
+            checkpoint.log(disk, dict(step=2, loss=1.0, note="x" * 10_000), "step 2")
+        assert (disk / "log.jsonl").read_bytes() == whole
+        with pytest.raises(checkpoint.WriteError, match="log.jsonl: No space left on device"):
+            checkpoint.start_log(disk, 1)
+        assert (disk / "log.jsonl").read_bytes() == whole and not (disk / "log.jsonl.tmp").exists()
+
+
+def test_a_second_run_into_a_folder_in_use_is_refused(data_dir, tmp_path, capsys):
+    """While one run trains into a folder, another, fresh or resumed, is refused with the holder's
+    pid, and touches nothing; once the first is killed, the OS has let go of its lock."""
+    out = tmp_path / "run"
+    endless = flags(data_dir=data_dir, out_dir=out, max_steps=10**6, eval_interval=10**6)
+    child = subprocess.Popen([sys.executable, "train.py", *endless], cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True)
+    try:
+        while not (line := child.stdout.readline()).startswith("step 1/"):
+            assert line, "the first run ended before its first step"
+        for extra in ([], ["--resume"], ["--overwrite"]):
+            assert train.main(flags(data_dir=data_dir, out_dir=out) + extra) == 2
+            assert capsys.readouterr().err == (f"train.py: {out}: in use by another run (pid {child.pid}): "
+                                               "wait for it to end, or give this one another --out_dir\n")
+    finally:
+        child.kill()
+        child.wait()
+    steps = [r["step"] for r in checkpoint.read_log(out)]
+    assert steps == list(range(1, len(steps) + 1))  # the first run's log alone
+    again = flags(data_dir=data_dir, out_dir=out, max_steps=2, eval_interval=2)
+    assert train.main(again + ["--overwrite"]) == 0
+
+
+def test_a_fresh_run_into_a_folder_holding_a_run_is_refused(data_dir, full_run, capsys):
+    before = {p.name: p.read_bytes() for p in full_run.iterdir()}
+    assert train.main(flags(data_dir=data_dir, out_dir=full_run)) == 2
+    assert capsys.readouterr().err == (f"train.py: {full_run} holds a run (ckpt.pt, log.jsonl): --resume "
+                                       "continues it, --overwrite starts it over, or give this one another "
+                                       "--out_dir\n")
+    assert {p.name: p.read_bytes() for p in full_run.iterdir()} == before
+
+
+def test_an_out_dir_that_cannot_be_written_is_refused_first(data_dir, tmp_path, capsys):
+    file = tmp_path / "file"
+    file.write_text("mine")
+    assert train.main(flags(data_dir=data_dir, out_dir=file)) == 2
+    assert capsys.readouterr().err == f"train.py: --out_dir={file}: not a folder\n"
+    assert file.read_text() == "mine"
+    with small_disk(tmp_path / "disk", "64k", "ro") as disk:
+        assert train.main(flags(data_dir=data_dir, out_dir=disk / "run")) == 2
+        assert capsys.readouterr().err == (f"train.py: --out_dir={disk / 'run'}: cannot write there: "
+                                           "Read-only file system\n")
+
+
+def test_resume_drops_a_torn_last_log_line_and_refuses_a_damaged_one(data_dir, full_run, tmp_path, capsys):
+    assert train.main(flags(data_dir=data_dir, out_dir=tmp_path, stop_after=STOP)) == 0
+    log = tmp_path / "log.jsonl"
+    whole = log.read_text()
+    log.write_text(whole.replace("\n", "\nnot json\n", 1))
+    assert train.main(flags(data_dir=data_dir, out_dir=tmp_path) + ["--resume"]) == 2
+    assert capsys.readouterr().err == f"train.py: {log}: line 2 is not JSON: 'not json'\n"
+    log.write_text(whole + '{"step": 6, "loss": 5.1')  # a crash in mid-append
+    assert train.main(flags(data_dir=data_dir, out_dir=tmp_path) + ["--resume"]) == 0
+    assert capsys.readouterr().err == (f"note: {log}: dropped its last line, cut short by a crash while it "
+                                       """was written: '{"step": 6, "loss": 5.1'\n""")
+    expected, resumed = records(full_run, "loss"), records(tmp_path, "loss")
+    assert sorted(resumed) == sorted(expected)
+    assert all(abs(resumed[step] - expected[step]) < 1e-6 for step in expected)
+
+
+def data_with_tokens_outside(data_dir, tmp_path, split, recorded):
+    """A copy of data_dir whose split's shard holds token 1000 (the vocabulary is 256) from offset
+    100 on. recorded: meta.json's largest_token says 255 for it, as a hand-edit might; else it
+    records none, as data from before it was recorded."""
+    bad = tmp_path / "bad"
+    shutil.copytree(data_dir, bad)
+    name = f"{split}_000000.bin"
+    tokens = np.array(prepare_data.read_shard(bad / name))
+    tokens[100:] = 1000
+    prepare_data.write_shard(bad / name, tokens)
+    meta = json.loads((bad / "meta.json").read_text())
+    meta["largest_token"] = {name: 255} if recorded else {}
+    (bad / "meta.json").write_text(json.dumps(meta))
+    return bad, bad / name
+
+
+@pytest.mark.parametrize("split, recorded", [("train", False), ("train", True), ("val", True)])
+def test_tokens_outside_the_vocabulary_are_refused_naming_shard_and_offset(split, recorded, data_dir,
+                                                                          tmp_path, capsys):
+    """Refused on loading, from largest_token or by reading the shard (val: always read, every
+    token of it is evaluated); a train shard whose record lies, by the batch that holds one, as
+    --resume meets it at step 6, its checkpoint and log left whole."""
+    out = tmp_path / "run"
+    assert train.main(flags(data_dir=data_dir, out_dir=out, stop_after=STOP)) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    bad, shard = data_with_tokens_outside(data_dir, tmp_path, split, recorded)
+    capsys.readouterr()
+    assert train.main(flags(data_dir=bad, out_dir=out) + ["--resume"]) == 2
+    out_text, err = capsys.readouterr()
+    offset = r"\d+" if split == "train" and recorded else "100"
+    assert re.fullmatch(rf"train.py: {shard}: token 1000 at offset {offset} is outside the vocabulary of 256 "
+                        rf"tokens: make the data again with `python prepare_data.py .*`\n", err), err
+    if split == "train" and recorded:
+        assert "step 6/" not in out_text and f"steps {STOP} -> {STEPS}" in out_text  # caught in the loop
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_a_damaged_checkpoint_is_refused_by_resume(data_dir, tmp_path, capsys):
+    assert train.main(flags(data_dir=data_dir, out_dir=tmp_path, stop_after=STOP)) == 0
+    ckpt = tmp_path / "ckpt.pt"
+    flip_a_bit(ckpt)
+    damaged = ckpt.read_bytes()
+    capsys.readouterr()
+    assert train.main(flags(data_dir=data_dir, out_dir=tmp_path) + ["--resume"]) == 2
+    assert capsys.readouterr().err == (f"train.py: {ckpt}: damaged: its contents do not match the digest "
+                                       "saved with them; restore it from a copy or train it again\n")
+    assert ckpt.read_bytes() == damaged

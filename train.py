@@ -31,15 +31,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import configurator
-from checkpoint import (EVALS, checkpoint_dict, load_checkpoint, load_resume_checkpoint, log, log_eval,
-                        restore, save_checkpoint, start_log)
-from configurator import ConfigError
+from checkpoint import (EVALS, WriteError, checkpoint_dict, claim_out_dir, load_checkpoint,
+                        load_resume_checkpoint, log, log_eval, restore, save_checkpoint, start_log)
+from configurator import SEED_LIMIT, ConfigError
 from convert import distill_loss, load_init_checkpoint
-from hardware import PRECISION_NAMES, native_dtype, peak_flops, pick_device
+from hardware import PRECISION_NAMES, check_device, native_dtype, peak_flops, pick_device
 from model import GPT, GPTConfig
 from muon import Muon
 from parallel import no_sync, parallelize, process_group, world
-from prepare_data import TOKENIZERS, TrainBatches, load_meta, read_shard, shard_paths, token_bytes
+from prepare_data import TOKENIZERS, TrainBatches, load_meta, read_shards, token_bytes
 
 
 @dataclass
@@ -48,6 +48,7 @@ class TrainConfig:
     data_dir: str = "data/fineweb-edu-gpt2"
     out_dir: str = ""  # where ckpt.pt and log.jsonl go; "": out/<attn>
     resume: bool = False  # continue out_dir/ckpt.pt; give the run's flags again (RESUME_FLAGS must match)
+    overwrite: bool = False  # a fresh run into an out_dir that holds a run: start over, replacing its files
     init_from: str = ""  # a new run whose weights come from this checkpoint, attention converted to --attn
     # --init_from converts each layer's keys and values to be closest on the attention inputs that
     # the checkpoint's model sees in this many training tokens (attention_input_covariances); 0:
@@ -99,12 +100,14 @@ class TrainConfig:
                       "log_interval"):
             if getattr(self, field) < 1:
                 bad(field, "a positive integer")
-        for field in ("stop_after", "calibration_tokens", "warmup_steps", "seed", "muon_lr", "adamw_lr",
+        for field in ("stop_after", "calibration_tokens", "warmup_steps", "muon_lr", "adamw_lr",
                       "embedding_lr", "unembedding_lr", "weight_decay", "grad_clip"):
             if not getattr(self, field) >= 0:  # `not >=` also refuses nan
                 bad(field, "zero or more")
-        for field, allowed in (("optimizer", ("muon", "adamw")), ("device", ("auto", "cuda", "mps", "cpu")),
-                               ("dtype", ("auto", "bfloat16", "float32"))):
+        if not 0 <= self.seed < SEED_LIMIT:
+            bad("seed", "between 0 and 2**64 - 1")
+        check_device(self.device)
+        for field, allowed in (("optimizer", ("muon", "adamw")), ("dtype", ("auto", "bfloat16", "float32"))):
             if getattr(self, field) not in allowed:
                 bad(field, "one of " + ", ".join(allowed))
         if not 0 <= self.distill <= 1:
@@ -124,7 +127,8 @@ def parse_args(argv):
 # The run
 
 def main(argv=None):
-    """Check everything, then train; the exit code: 0 done, 1 the loss diverged, 2 bad input."""
+    """Check everything, then train, out_dir held by rank 0, which alone writes (claim_out_dir); the
+    exit code: 0 done, 1 the loss diverged or a write failed (WriteError), 2 bad input."""
     rank, local_rank, world_size = world()
     try:
         model_config, cfg = parse_args(sys.argv[1:] if argv is None else argv)
@@ -142,24 +146,27 @@ def main(argv=None):
         if cfg.fsdp and windows % world_size:
             raise ConfigError(f"--fsdp: the {windows} validation windows of --eval_tokens={cfg.eval_tokens} "
                               f"do not split evenly over {world_size} processes")
-        data = load_data(cfg, model_config)
-        device = pick_device(cfg.device, local_rank)
-        resumed = load_resume_checkpoint(cfg, model_config) if cfg.resume else None
-        # --init_from seeds a run's first job; its --resume jobs go on from their own checkpoint
-        initial = (load_init_checkpoint(cfg, model_config, data[1], device)
-                   if cfg.init_from and not cfg.resume else None)
-        # the model that --distill distils, in every job of the run
-        teacher = load_checkpoint(cfg.init_from, device)[1].eval() if cfg.distill else None
-    except ConfigError as e:
+        with claim_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite) if rank == 0 else nullcontext():
+            data = load_data(cfg, model_config)
+            device = pick_device(cfg.device, local_rank)
+            resumed = load_resume_checkpoint(cfg, model_config) if cfg.resume else None
+            # --init_from seeds a run's first job; its --resume jobs go on from their own checkpoint
+            initial = (load_init_checkpoint(cfg, model_config, data[1], device)
+                       if cfg.init_from and not cfg.resume else None)
+            # the model that --distill distils, in every job of the run
+            teacher = load_checkpoint(cfg.init_from, device)[1].eval() if cfg.distill else None
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            with process_group(device, world_size):
+                return train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, world_size,
+                             teacher)
+    except ConfigError as e:  # bad input, found before training or (a token outside the vocabulary) in it
         if rank == 0:
             print(f"train.py: {e}", file=sys.stderr)
         return 2
-
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    with process_group(device, world_size):
-        return train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, world_size,
-                     teacher)
+    except WriteError as e:  # rank 0's alone; the other ranks stop with it, as torchrun stops them
+        print(f"train.py: {e}", file=sys.stderr)
+        return 1
 
 
 def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, world_size, teacher=None):
@@ -189,7 +196,6 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
     peak = peak_flops(device)
     out_dir, ckpt_path = Path(cfg.out_dir), Path(cfg.out_dir) / "ckpt.pt"
     if is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
         start_log(out_dir, step if resumed is not None else None)
         muon = cfg.optimizer == "muon"
         ns = f", Newton-Schulz in {PRECISION_NAMES[optimizers[0].ns_dtype]}" if muon else ""
@@ -385,8 +391,7 @@ def load_data(cfg, model_config):
     ConfigError that says what to run."""
     try:
         meta = load_meta(cfg.data_dir)
-        train = [read_shard(path) for path in shard_paths(cfg.data_dir, "train")]
-        val = [read_shard(path) for path in shard_paths(cfg.data_dir, "val")]
+        train, val = read_shards(cfg.data_dir, "train"), read_shards(cfg.data_dir, "val")
         bytes_per_token = torch.from_numpy(token_bytes(meta["tokenizer"])).float()
     except (OSError, ValueError) as e:  # no data, or a damaged gpt2.tiktoken
         raise ConfigError(str(e)) from None
@@ -401,7 +406,7 @@ def load_data(cfg, model_config):
             f"`python prepare_data.py --tokenizer=...` (one of {', '.join(TOKENIZERS)}) and point --data_dir "
             "at it")
     T = model_config.block_size
-    batches = TrainBatches(train, T)
+    batches = TrainBatches(train, T, data_vocab)
     if not len(train) or batches.ends[-1] == 0:
         raise ConfigError(f"{cfg.data_dir}: no train shard holds block_size + 1 = {T + 1} tokens")
     if cfg.eval_tokens < T:
