@@ -140,8 +140,8 @@ def test_end_to_end(tmp_path, capsys):
     analyze.main([str(tmp_path / "out"), "--out_dir", str(out_dir)])
 
     written = sorted(p.name for p in out_dir.iterdir())
-    assert written == ["analysis.json", "effective_rank.png", "head_correlation.png", "kv_tradeoff.png",
-                       "loss_curves.png", "rank_energy.png"]
+    assert written == ["analysis.json", "effective_rank.png", "head_correlation.png", "kv_cache.png",
+                       "kv_tradeoff.png", "loss_curves.png", "rank_energy.png"]
     results = json.loads((out_dir / "analysis.json").read_text())["runs"]
     order = ["Standard MHA", "LRKV (r=2)", "LRKV (r=4)", "MQA", "MLA", "GQA (2 KV heads)"]
     assert [run["label"] for run in results] == order
@@ -156,6 +156,11 @@ def test_end_to_end(tmp_path, capsys):
     # LRKV: 2 d_h + 2 H r, MLA: d_c + d_R, each plus the H key RMSs that its decoder caches
     fractions = [1, (16 + 16 + 4) / 64, (16 + 32 + 4) / 64, 16 / 64, (8 + 4 + 4) / 64, 32 / 64]
     assert [run["kv_cache_fraction"] for run in results] == fractions
+    # kv_cache.png's entries, all 3 layers: LRKV r = 2 caches d_h = 8 shared and H r = 8 residual
+    # numbers for keys and for values, and H = 4 key RMSs
+    lrkv = results[order.index("LRKV (r=2)")]
+    assert lrkv["kv_cache_entries"] == dict(k_shared=24, r_k=24, rho=12, v_shared=24, r_v=24)
+    assert sum(lrkv["kv_cache_entries"].values()) == lrkv["kv_cache_elements_per_token"]
     table = capsys.readouterr().out
     assert all(sum(line.startswith(label + " ") for line in table.splitlines()) == 1 for label in order)
 
