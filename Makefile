@@ -1,6 +1,7 @@
 # make demo: the paper's six head-diversity models at CPU size on the embedded corpus, then the figures.
 # make docs: the demo's and the conversion's figures into docs/. make test: the whole test suite.
 # make demo SEED=1: the same demo from another seed, in its own folder (out/demo-seed1).
+# make demo-deep (SEED=1 too): the same six runs at the paper's 12 layers, into out/demo-deep(-seed1).
 # make convert (after make demo): the demo's MHA models converted to smaller caches and uptrained.
 PYTHON ?= python3
 VENV := .venv
@@ -8,6 +9,9 @@ PY := $(VENV)/bin/python
 SEED ?= 0
 seed_suffix := $(if $(filter-out 0,$(SEED)),-seed$(SEED))
 DEMO ?= out/demo$(seed_suffix)
+# the presets the demo's runs train with; demo-deep adds config/demo_deep.py and trains into DEMO_DEEP
+DEMO_PRESETS ?= config/demo.py
+DEMO_DEEP = out/demo-deep$(seed_suffix)
 # Models this small keep a core busy each; two one-thread runs side by side finish sooner than
 # two-thread runs one after another, whose threads mostly wait for each other.
 JOBS ?= 2
@@ -26,7 +30,7 @@ FLAGS_mqa := --attn=mqa
 FLAGS_mla := --attn=mla
 FLAGS_gqa := --attn=gqa
 
-.PHONY: demo demo-steps docs test gpu-demo convert convert-seed
+.PHONY: demo demo-deep demo-steps docs test gpu-demo convert convert-seed
 .DELETE_ON_ERROR:
 
 $(VENV)/installed: requirements.txt requirements-fineweb.txt requirements-dev.txt
@@ -44,15 +48,17 @@ $(DEMO_DATA): | $(VENV)/installed
 $(DEMO)/%/trained: $(DEMO_DATA)
 	@mkdir -p $(@D)
 	@echo "training $* -> $(@D)/train.out"
-	@OMP_NUM_THREADS=1 $(PY) train.py config/demo.py $(FLAGS_$*) --seed=$(SEED) --out_dir=$(@D) > $(@D)/train.out \
-		|| { tail -n 5 $(@D)/train.out; exit 1; }
+	@OMP_NUM_THREADS=1 $(PY) train.py $(DEMO_PRESETS) $(FLAGS_$*) --seed=$(SEED) --out_dir=$(@D) \
+		> $(@D)/train.out || { tail -n 5 $(@D)/train.out; exit 1; }
 	@echo "$*: $$(tail -n 1 $(@D)/train.out)"
 	@touch $@
 
-# make demo times itself, the virtual environment included when it has to be made
-demo:
-	@start=$$(date +%s); $(MAKE) --no-print-directory demo-steps && \
-		echo "make demo took $$(( $$(date +%s) - start )) s"
+# make demo and make demo-deep time themselves, the virtual environment included when it has to be
+# made; demo-deep is demo-steps with the deep preset on top of the demo's, in its own folder
+demo demo-deep:
+	@start=$$(date +%s); $(MAKE) --no-print-directory demo-steps \
+		$(if $(filter demo-deep,$@),DEMO=$(DEMO_DEEP) DEMO_PRESETS="config/demo.py config/demo_deep.py") && \
+		echo "make $@ took $$(( $$(date +%s) - start )) s"
 
 demo-steps: $(DEMO_DATA)
 	$(MAKE) --no-print-directory -j$(JOBS) $(TRAINED)
