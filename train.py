@@ -85,6 +85,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"  # auto: cuda, then mps, then cpu
     dtype: str = "auto"  # bfloat16 (autocast) or float32; auto: native_dtype's choice for the device
+    ns_dtype: str = "auto"  # Muon's Newton-Schulz: bfloat16 or float32; auto: native_dtype's, as dtype
     compile: bool | None = None  # torch.compile; None: on CUDA only
     # under torchrun, shard weights, gradients and optimizer states over the processes (FSDP2)
     fsdp: bool = False
@@ -104,7 +105,8 @@ class TrainConfig:
             if not getattr(self, field) >= 0:  # `not >=` also refuses nan
                 bad(field, "zero or more")
         for field, allowed in (("optimizer", ("muon", "adamw")), ("device", ("auto", "cuda", "mps", "cpu")),
-                               ("dtype", ("auto", "bfloat16", "float32"))):
+                               ("dtype", ("auto", "bfloat16", "float32")),
+                               ("ns_dtype", ("auto", "bfloat16", "float32"))):
             if getattr(self, field) not in allowed:
                 bad(field, "one of " + ", ".join(allowed))
         if not 0 <= self.distill <= 1:
@@ -287,7 +289,8 @@ def configure_optimizers(model, cfg, ns_dtype=None):
     the token embedding and the unembedding; --optimizer=adamw moves the blocks' matrices to AdamW at
     adamw_lr. The paper's AdamW lrs are kept as they are: nanochat's (n_embd / 768) ** -0.5 scaling
     of them is 1 at the 128M width, and the paper does not say it applies it elsewhere.
-    Each param group's initial_lr is the peak that the schedule scales; ns_dtype goes to Muon."""
+    Each param group's initial_lr is the peak that the schedule scales; Muon's Newton-Schulz runs in
+    ns_dtype (a torch.dtype) if given, else in cfg.ns_dtype."""
     matrices = list(model.blocks.parameters())
     if len(matrices) + 2 != len(list(model.parameters())):
         raise ValueError("GPT has parameters outside wte, lm_head and the blocks: configure_optimizers "
@@ -303,6 +306,8 @@ def configure_optimizers(model, cfg, ns_dtype=None):
         # by 0.02 times an orthogonal matrix, the convention of modded-nanogpt and nanochat that
         # the paper's 0.02 comes from. Weight decay multiplies each matrix by 1 - lr * weight_decay
         # a step, with the unadjusted lr.
+        if ns_dtype is None and cfg.ns_dtype != "auto":
+            ns_dtype = getattr(torch, cfg.ns_dtype)
         muon = Muon(matrices, lr=cfg.muon_lr, weight_decay=cfg.weight_decay, ns_dtype=ns_dtype)
         optimizers = [muon, torch.optim.AdamW(adamw_groups, **adamw)]
     for opt in optimizers:
