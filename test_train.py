@@ -145,7 +145,8 @@ def test_schedule_and_optimizers():
                           attn="lrkv", lrkv_rank=4))
     newton_schulz, adamw = train.configure_optimizers(model, cfg)
     assert isinstance(newton_schulz, muon.Muon)
-    assert {id(p) for p in newton_schulz.param_groups[0]["params"]} == {id(p) for p in model.blocks.parameters()}
+    blocks = {id(p) for p in model.blocks.parameters()}
+    assert {id(p) for p in newton_schulz.param_groups[0]["params"]} == blocks
     groups = [[id(p) for p in g["params"]] for g in adamw.param_groups]
     assert groups == [[id(model.wte.weight)], [id(model.lm_head.weight)]]
     assert [g["lr"] for g in adamw.param_groups] == [0.2, 0.004]

@@ -11,10 +11,11 @@ Train one attention variant of model.py's GPT on token shards written by prepare
 
 Every field of GPTConfig (model.py) and TrainConfig (below) is a --name=value flag, and a
 positional argument is a preset, a Python file assigning field names (configurator.py). The run
-prints its progress, writes the same records to out_dir/log.jsonl for plotting, and saves
-out_dir/ckpt.pt after every evaluation (checkpoint.py, which also says what a resumed run must
-match). Read top-down: the config, main (checks, then train), the loop, its pieces (optimisers,
-schedule, backward, evaluation) and the data. The rest lives beside it: muon.py the optimiser, parallel.py DDP
+prints its progress, writes the same records to out_dir/log.jsonl for plotting (each evaluation's
+with every layer's effective rank, diversity.py), and saves out_dir/ckpt.pt after every
+evaluation (checkpoint.py, which also says what a resumed run must match). Read top-down: the
+config, main (checks, then train), the loop, its pieces (optimisers, schedule, backward,
+evaluation) and the data. The rest lives beside it: muon.py the optimiser, parallel.py DDP
 and FSDP, convert.py --init_from, hardware.py the device and precision.
 """
 
@@ -35,10 +36,11 @@ from checkpoint import (EVALS, checkpoint_dict, load_checkpoint, load_resume_che
                         restore, save_checkpoint, start_log)
 from configurator import ConfigError
 from convert import distill_loss, load_init_checkpoint
+from diversity import weight_ranks
 from hardware import PRECISION_NAMES, native_dtype, peak_flops, pick_device
 from model import GPT, GPTConfig
 from muon import Muon
-from parallel import no_sync, parallelize, process_group, world
+from parallel import gathered, no_sync, parallelize, process_group, world
 from prepare_data import TOKENIZERS, TrainBatches, load_meta, read_shard, shard_paths, token_bytes
 
 
@@ -211,8 +213,9 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
     if initial is not None:  # the converted model's loss is the first point of the run's curve
         val_loss, val_bpb = evaluate(model, val_tokens, bytes_per_token, T, micro_batch, autocast, rank,
                                      world_size)
+        weights = gathered(raw_model.state_dict())  # every rank: under FSDP, gathering is a collective
         if is_main:
-            log_eval(out_dir, 0, val_loss, val_bpb)
+            log_eval(out_dir, 0, val_loss, val_bpb, weight_ranks(weights, model_config))
 
     # timings average over each log interval; on CUDA the first one includes torch.compile's compiling
     t0, timed_steps = time.perf_counter(), 0
@@ -261,8 +264,8 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
                          best_val_loss=min(val_loss, best[0]), best_val_bpb=min(val_bpb, best[1]))
             # every rank: under FSDP, gathering the shards to rank 0 is a collective
             saved = checkpoint_dict(raw_model, model_config, cfg, optimizers, step, evals, meta, device)
-            if is_main:
-                log_eval(out_dir, step, val_loss, val_bpb)
+            if is_main:  # the heads' diversity from the weights just gathered: no collective of its own
+                log_eval(out_dir, step, val_loss, val_bpb, weight_ranks(saved["model"], model_config))
                 save_checkpoint(ckpt_path, saved)
             t0, timed_steps = time.perf_counter(), 0
     return 0
