@@ -1,5 +1,6 @@
 # make demo: the paper's six head-diversity models at CPU size on the embedded corpus, then the figures.
-# make docs: the demo's and the conversion's figures into docs/. make test: the whole test suite.
+# make docs: the demo's and the conversion's figures into docs/ (docs-demo, docs-deep: one demo's alone).
+# make test: the whole test suite.
 # make demo SEED=1: the same demo from another seed, in its own folder (out/demo-seed1).
 # make demo-deep (SEED=1 too): the same six runs at the paper's 12 layers, into out/demo-deep(-seed1).
 # make convert (after make demo): the demo's MHA models converted to smaller caches and uptrained.
@@ -30,7 +31,7 @@ FLAGS_mqa := --attn=mqa
 FLAGS_mla := --attn=mla
 FLAGS_gqa := --attn=gqa
 
-.PHONY: demo demo-deep demo-steps docs test gpu-demo convert convert-seed
+.PHONY: demo demo-deep demo-steps docs docs-demo docs-deep test gpu-demo convert convert-seed
 .DELETE_ON_ERROR:
 
 $(VENV)/installed: requirements.txt requirements-fineweb.txt requirements-dev.txt
@@ -124,11 +125,19 @@ $(GPU_DEMO)/%/trained: $(GPU_DATA)
 gpu-demo: $(GPU_CKPTS:ckpt.pt=trained)
 	$(PY) analyze.py $(GPU_CKPTS) --out_dir=$(GPU_DEMO)
 
-# the README's figures: the demo's, seed 0, and the conversion's, both seeds
-docs: demo convert
+# the README's figures: the demo's, seed 0 (docs-demo alone), and the conversion's, both seeds;
+# docs-deep: demo-deep's, seed 0, as docs/deep_*.png (docs/results.md)
+docs-demo: demo
 	mkdir -p docs
 	cp $(DEMO)/effective_rank.png $(DEMO)/head_correlation.png $(DEMO)/loss_curves.png $(DEMO)/kv_tradeoff.png \
-		$(DEMO)/kv_cache.png docs/
+		$(DEMO)/kv_cache.png $(DEMO)/rank_during_training.png docs/
+
+docs-deep: demo-deep
+	mkdir -p docs
+	for figure in effective_rank head_correlation rank_during_training; do \
+		cp $(DEMO_DEEP)/$$figure.png docs/deep_$$figure.png || exit 1; done
+
+docs: docs-demo convert
 	cp out/convert/rank_energy.png docs/rank_energy.png
 	cp out/convert/kv_tradeoff.png docs/convert_tradeoff.png
 	cp out/convert-seed1/kv_tradeoff.png docs/convert_tradeoff-seed1.png

@@ -274,6 +274,7 @@ def plot_rank_during_training(runs, centered):
             ax.plot(during["step"], pick(np.array(during[key])), marker="o", markersize=3, color=run["color"],
                     linestyle=line_style(run), label=run["label"])
         ax.axhline(max(run["n_head"] for run in logged) - centered, color="gray", linestyle="--")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.set_title(title)
         ax.set_xlabel("Training step")
