@@ -1,6 +1,8 @@
 # make demo: the paper's six head-diversity models at CPU size on the embedded corpus, then the figures.
-# make docs: the demo's and the conversion's figures into docs/. make test: the whole test suite.
+# make docs: the demo's and the conversion's figures into docs/ (docs-demo, docs-deep: one demo's alone).
+# make test: the whole test suite.
 # make demo SEED=1: the same demo from another seed, in its own folder (out/demo-seed1).
+# make demo-deep (SEED=1 too): the same six runs at the paper's 12 layers, into out/demo-deep(-seed1).
 # make convert (after make demo): the demo's MHA models converted to smaller caches and uptrained.
 PYTHON ?= python3
 VENV := .venv
@@ -8,6 +10,9 @@ PY := $(VENV)/bin/python
 SEED ?= 0
 seed_suffix := $(if $(filter-out 0,$(SEED)),-seed$(SEED))
 DEMO ?= out/demo$(seed_suffix)
+# the presets the demo's runs train with; demo-deep adds config/demo_deep.py and trains into DEMO_DEEP
+DEMO_PRESETS ?= config/demo.py
+DEMO_DEEP = out/demo-deep$(seed_suffix)
 # Models this small keep a core busy each; two one-thread runs side by side finish sooner than
 # two-thread runs one after another, whose threads mostly wait for each other.
 JOBS ?= 2
@@ -27,7 +32,7 @@ FLAGS_mqa := --attn=mqa
 FLAGS_mla := --attn=mla
 FLAGS_gqa := --attn=gqa
 
-.PHONY: demo demo-steps docs test gpu-demo convert convert-seed
+.PHONY: demo demo-deep demo-steps docs docs-demo docs-deep test gpu-demo convert convert-seed
 .DELETE_ON_ERROR:
 
 $(VENV)/installed: requirements.txt requirements-fineweb.txt requirements-dev.txt
@@ -45,16 +50,17 @@ $(DEMO_DATA): | $(VENV)/installed
 $(DEMO)/%/trained: $(DEMO_DATA)
 	@mkdir -p $(@D)
 	@echo "training $* -> $(@D)/train.out"
-	@OMP_NUM_THREADS=1 $(PY) train.py config/demo.py $(FLAGS_$*) --seed=$(SEED) --out_dir=$(@D) --overwrite \
-		> $(@D)/train.out \
-		|| { tail -n 5 $(@D)/train.out; exit 1; }
+	@OMP_NUM_THREADS=1 $(PY) train.py $(DEMO_PRESETS) $(FLAGS_$*) --seed=$(SEED) --out_dir=$(@D) --overwrite \
+		> $(@D)/train.out || { tail -n 5 $(@D)/train.out; exit 1; }
 	@echo "$*: $$(tail -n 1 $(@D)/train.out)"
 	@touch $@
 
-# make demo times itself, the virtual environment included when it has to be made
-demo:
-	@start=$$(date +%s); $(MAKE) --no-print-directory demo-steps && \
-		echo "make demo took $$(( $$(date +%s) - start )) s"
+# make demo and make demo-deep time themselves, the virtual environment included when it has to be
+# made; demo-deep is demo-steps with the deep preset on top of the demo's, in its own folder
+demo demo-deep:
+	@start=$$(date +%s); $(MAKE) --no-print-directory demo-steps \
+		$(if $(filter demo-deep,$@),DEMO=$(DEMO_DEEP) DEMO_PRESETS="config/demo.py config/demo_deep.py") && \
+		echo "make $@ took $$(( $$(date +%s) - start )) s"
 
 demo-steps: $(DEMO_DATA)
 	$(MAKE) --no-print-directory -j$(JOBS) $(TRAINED)
@@ -121,11 +127,19 @@ $(GPU_DEMO)/%/trained: $(GPU_DATA)
 gpu-demo: $(GPU_CKPTS:ckpt.pt=trained)
 	$(PY) analyze.py $(GPU_CKPTS) --out_dir=$(GPU_DEMO)
 
-# the README's figures: the demo's, seed 0, and the conversion's, both seeds
-docs: demo convert
+# the README's figures: the demo's, seed 0 (docs-demo alone), and the conversion's, both seeds;
+# docs-deep: demo-deep's, seed 0, as docs/deep_*.png (docs/results.md)
+docs-demo: demo
 	mkdir -p docs
 	cp $(DEMO)/effective_rank.png $(DEMO)/head_correlation.png $(DEMO)/loss_curves.png $(DEMO)/kv_tradeoff.png \
-		$(DEMO)/kv_cache.png docs/
+		$(DEMO)/kv_cache.png $(DEMO)/rank_during_training.png docs/
+
+docs-deep: demo-deep
+	mkdir -p docs
+	for figure in effective_rank head_correlation rank_during_training; do \
+		cp $(DEMO_DEEP)/$$figure.png docs/deep_$$figure.png || exit 1; done
+
+docs: docs-demo convert
 	cp out/convert/rank_energy.png docs/rank_energy.png
 	cp out/convert/kv_tradeoff.png docs/convert_tradeoff.png
 	cp out/convert-seed1/kv_tradeoff.png docs/convert_tradeoff-seed1.png

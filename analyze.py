@@ -1,17 +1,14 @@
 """
 Head diversity from the weights alone: the paper's two figures (section 4) and its KV-cache
-Pareto view, for one or more checkpoints written by train.py.
-
-Head h of a layer scores key token y against query token x through the bilinear operator
-A_h = W_h^Q (W_h^K)^T (d x d), before the QK norm and RoPE. The head-similarity matrix G holds
-the cosines of the A_h under the Frobenius inner product, and its effective rank says how many
-distinct operators the layer's H heads amount to: 1 if all are the same, H if all are orthogonal.
+Pareto view, for one or more checkpoints written by train.py. The math (the heads' similarity
+matrix G and its effective rank) is diversity.py's.
 
 $ python analyze.py out/*/ckpt.pt           # or a folder holding */ckpt.pt: python analyze.py out
 $ python analyze.py out/mha/ckpt.pt --layer mean --centered --out_dir figures
 
 Writes effective_rank.png, head_correlation.png, kv_tradeoff.png, kv_cache.png (what each run
-caches per token), loss_curves.png (from each run's log.jsonl beside its checkpoint),
+caches per token), loss_curves.png and rank_during_training.png (from each run's log.jsonl beside
+its checkpoint: the losses, and the effective ranks train.py logs at every evaluation),
 rank_energy.png (for an MHA checkpoint: how much rank its heads' keys and values need, from the
 weights alone and, where its training data is there, as the inputs of its attention see them)
 and analysis.json, and prints a table. Runs started
@@ -29,7 +26,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
@@ -37,6 +33,7 @@ from matplotlib.ticker import MaxNLocator
 from checkpoint import check_writable, load_checkpoint, read_log
 from configurator import ArgumentParser, ConfigError
 from convert import attention_input_covariances, head_kv_weights
+from diversity import layer_ranks, similarities
 from model import ATTENTION, shared_plus_low_rank
 from prepare_data import TrainBatches, atomic_open, read_shard, shard_paths, write_atomic
 from train import TrainConfig
@@ -44,58 +41,6 @@ from train import TrainConfig
 
 def fail(path, problem):
     sys.exit(f"{path}: {problem}")
-
-
-@torch.no_grad()
-def head_qk_weights(model):
-    """Per layer, (Wq, Wk), each (H, d, d_qk): head h's query is x @ Wq[h] and its key x @ Wk[h],
-    before the QK norm and RoPE. The keys are a variant's head_key_weights where it defines them
-    (MLA: its latent norm taken as identity), else its per-head projections (head_kv_weights)."""
-    weights = []
-    for block in model.blocks:
-        attn = block.attn
-        Wq = attn.W_q.weight.view(attn.n_head, attn.qk_dim, -1).transpose(1, 2)
-        Wk = (attn.head_key_weights() if hasattr(attn, "head_key_weights")
-              else head_kv_weights(attn, model.config.attn)[0].mT)
-        weights.append((Wq.detach().clone(), Wk.detach().clone()))
-    return weights
-
-
-def head_similarity(Wq, Wk):
-    """G[i, j] = <A_i, A_j>_F / (||A_i||_F ||A_j||_F) for A_h = Wq[h] Wk[h]^T, Wq and Wk (H, d, d_qk).
-    Section 4's trace form <A_i, A_j>_F = trace(Wk_i^T Wk_j Wq_j^T Wq_i) is the sum over (a, b) of
-    (Wq_i^T Wq_j)[a, b] (Wk_i^T Wk_j)[a, b]: every pair's d_qk x d_qk products come out of one
-    (H d_qk)^2 Gram matrix per side, and no d x d operator is ever built. In numpy: its W.T @ W
-    computes only half of the symmetric product (BLAS syrk), about twice as fast as torch's."""
-    H, d, d_qk = Wq.shape
-
-    def pair_products(W):  # [i, a, j, b] = (W_i^T W_j)[a, b]
-        W = W.double().numpy().transpose(1, 0, 2).reshape(d, H * d_qk)
-        return (W.T @ W).reshape(H, d_qk, H, d_qk)
-
-    inner = (pair_products(Wq) * pair_products(Wk)).sum((1, 3))
-    norms = np.sqrt(inner.diagonal())
-    return inner / np.outer(norms, norms)
-
-
-def effective_rank(G, centered=False):
-    """exp(-sum p_i log p_i) over the eigenvalues p_i of G normalised to sum 1 (section 4).
-    centered: double-centre G first, as kernel PCA does, so that only how the heads spread
-    around their mean operator counts; the centred G has at most H - 1 non-zero eigenvalues."""
-    H = len(G)
-    if centered:
-        G = G - G.mean(0, keepdims=True) - G.mean(1, keepdims=True) + G.mean()
-    eigenvalues = np.linalg.eigvalsh(G)
-    # G is positive semi-definite with trace H (centred: at most H), so eigenvalues this small
-    # are rounding: kept, they would count as directions, and when all heads are identical the
-    # centred G is nothing but rounding
-    p = eigenvalues[eigenvalues > 1e-9 * H]
-    if len(p) == 0:
-        # A zero (centred) G: the entropy is undefined, but its rank is 0, and an effective rank
-        # lies between 1 and the rank for every other matrix, so 0 it is: no spread at all.
-        return 0.0
-    p = p / p.sum()
-    return math.exp(-(p * np.log(p)).sum())
 
 
 def rank_energy(model, covariances=None):
@@ -153,6 +98,17 @@ def loss_curves(records, ckpt):
     return curves
 
 
+def ranks_during_training(records):
+    """The effective ranks train.py logged beside the checkpoint (records), at each evaluation:
+    {"step": [...], "effective_rank": [per layer, ...], "effective_rank_centered": [...]}, or None
+    for a log from before train.py logged them, or none."""
+    logged = [record for record in records if "effective_rank" in record]
+    if not logged:
+        return None
+    keys = ("step", "effective_rank", "effective_rank_centered")
+    return {key: [record[key] for record in logged] for key in keys}
+
+
 def analyze(path):
     """The checkpoint's config, and what analysis.json records of it apart from its label."""
     try:
@@ -165,7 +121,7 @@ def analyze(path):
     # the attention weights are converted, the rest of the model is never read
     for block in model.blocks:
         block.attn.double()
-    similarity = [head_similarity(Wq, Wk) for Wq, Wk in head_qk_weights(model)]
+    similarity = similarities(model)
     kv_elements = model.kv_cache_elements_per_token()
     cached = {}  # {name: elements per token, all layers}, from the buffers decoding allocates
     for block in model.blocks:
@@ -196,8 +152,8 @@ def analyze(path):
         "start": next(({k: r[k] for k in ("val_loss", "val_bpb")} for r in records
                        if r["step"] == 0 and "val_loss" in r), None),
         "rank_energy": rank_energy(model),
-        "effective_rank": [effective_rank(G) for G in similarity],
-        "effective_rank_centered": [effective_rank(G, centered=True) for G in similarity],
+        **layer_ranks(similarity),
+        "ranks_during_training": ranks_during_training(records),
         "similarity": [G.tolist() for G in similarity],
     }
 
@@ -291,6 +247,38 @@ def plot_effective_rank(runs, centered):
     kind = "PCA-based Effective Rank" if centered else "Effective Rank"
     ax.set_title(f"Head Diversity via {kind} ({model_size(runs[0]['n_params'])})")
     fig.legend(loc="outside right upper")
+    return fig
+
+
+def plot_rank_during_training(runs, centered):
+    """Effective rank against the training step, one line per run whose log holds it, in three
+    panels: the mean over the layers, the first layer and the last. When the heads collapse, and
+    whether they recover, shows here, where the final checkpoint's figure shows only where they
+    ended. The y axis fits the lines (at 12 layers on a CPU they move by hundredths of H); the
+    dashed line is H (centred: H - 1), mutually orthogonal heads. None if no run's log holds ranks."""
+    logged = [run for run in runs if run["ranks_during_training"]]
+    if not logged:
+        return None
+    key = "effective_rank_centered" if centered else "effective_rank"
+    depths = {run["n_layer"] for run in logged}
+    last = f"Last layer ({depths.pop() - 1})" if len(depths) == 1 else "Last layer"
+    fig = Figure(figsize=(13, 3.8), layout="constrained")
+    axes = fig.subplots(1, 3, sharey=True)
+    for ax, (title, pick) in zip(axes, (("Mean over layers", lambda ranks: ranks.mean(1)),
+                                        ("First layer (0)", lambda ranks: ranks[:, 0]),
+                                        (last, lambda ranks: ranks[:, -1]))):
+        for run in logged:
+            during = run["ranks_during_training"]
+            ax.plot(during["step"], pick(np.array(during[key])), marker="o", markersize=3, color=run["color"],
+                    linestyle=line_style(run), label=run["label"])
+        ax.axhline(max(run["n_head"] for run in logged) - centered, color="gray", linestyle="--")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.set_title(title)
+        ax.set_xlabel("Training step")
+    axes[0].set_ylabel("PCA-based effective rank" if centered else "Effective rank")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right upper")
+    fig.suptitle(f"Head Diversity During Training ({model_size(logged[0]['n_params'])})")
     return fig
 
 
@@ -525,6 +513,7 @@ def main(argv=None):
         "kv_tradeoff.png": plot_kv_tradeoff(runs),
         "kv_cache.png": plot_kv_cache(runs),
         "loss_curves.png": plot_loss_curves(runs),
+        "rank_during_training.png": plot_rank_during_training(runs, args.centered),
     }
     mha = next((run for run in runs if run["attn"] == "mha" and run["rank_energy"] and not run["init_from"]),
                None)
@@ -533,7 +522,8 @@ def main(argv=None):
         if missing:
             print(f"rank_energy.png from the weights alone, with no inputs to see them through: {missing}")
         figures["rank_energy.png"] = plot_rank_energy(mha, len(mha["rank_energy"]["keys"][0]))
-    needs = {"kv_tradeoff.png": "validation numbers", "loss_curves.png": "a log.jsonl beside it"}
+    needs = {"kv_tradeoff.png": "validation numbers", "loss_curves.png": "a log.jsonl beside it",
+             "rank_during_training.png": "a log.jsonl with effective ranks beside it"}
     # each file whole or not at all, should the disk fill meanwhile: the last analysis stays whole
     try:
         for name, fig in figures.items():

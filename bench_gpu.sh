@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# What a lent GPU is for, most important first, in at most 8 minutes on one H200, with no network:
-#   1. the one-GPU tier end to end: config/gpu.py's 128M MHA and LRKV (r = 16) trained a few steps on
-#      the pydocs corpus in GPT-2 tokens (bf16, torch.compile, checkpoints), analyze.py, sample.py;
+# What a lent GPU is for, most important first, with no network, in about 11 minutes on one H200:
+#   1. the paper's two figures at its depth: the six runs of `make demo` at config/gpu.py's 128M shape
+#      (12 layers, 6 heads of 128; LRKV r = 16 and 64) on the byte-level pydocs corpus, which
+#      prepare_data.py makes offline from Python's own docs, 500 steps of 4 x 2048 tokens each, about
+#      4 minutes for the six (docs/benchmarks.md says how that was estimated), then analyze.py and
+#      sample.py: effective_rank.png, head_correlation.png and rank_during_training.png in figures/;
 #   2. decoding, eager and compiled (the fixed-shape step as CUDA graphs), all five variants, 2,048 and
 #      8,192 tokens (where reading the cache is most of a step: docs/decoding.md's roofline), batch 16,
 #      with the cached-decoding check, after the GPU's ceilings (bf16 matmul FLOP/s, memory bandwidth);
 #   3. the training rows of MHA and LRKV, as far as the time left allows (2026-11-30 measured all five).
-# Each phase has a time limit and writes its logs and JSON as it goes, so a run cut short keeps what
-# it measured. nvidia-smi's process list shows whether anything else shared the GPU.
+# Each phase, and each run of the first, has a time limit and writes its logs and JSON as it goes, so
+# a run cut short keeps what it measured (a training run, its last evaluation's checkpoint, which
+# analyze.py then reads). nvidia-smi's process list shows whether anything else shared the GPU.
 #
 #     ./bench_gpu.sh [out_dir]             # out_dir: default $OUT, else out/gpu
 #     TINY=1 ./bench_gpu.sh /tmp/try       # the same steps at toy sizes on a CPU, in a few minutes
@@ -19,26 +23,38 @@ mkdir -p "$out"
 python=${PYTHON:-python3}
 gpus() { command -v nvidia-smi >/dev/null && nvidia-smi --query-compute-apps=pid,name,used_memory --format=csv >>"$out/gpu_processes.txt" 2>&1; true; }
 if [ "${TINY:-}" ]; then
-  model=(--n_layer=2 --n_head=2 --head_dim=16 --n_embd=32 --block_size=64 --device=cpu)
-  run=(--batch_size=4 --micro_batch_size=4 --max_steps=4 --warmup_steps=1 --eval_interval=2 --eval_tokens=256 --log_interval=1)
-  lrkv_rank=4 bench=(--preset=tiny --device=cpu) decode=()
+  # 12 layers as on the GPU; LRKV's ranks scaled to d_h = 8 (16 and 64 of 128 -> 1 and 4)
+  model=(--n_layer=12 --n_head=4 --head_dim=8 --n_embd=32 --n_kv_head=2 --kv_lora_rank=8 --rope_head_dim=8
+    --block_size=64 --device=cpu)
+  run=(--batch_size=4 --micro_batch_size=4 --max_steps=4 --warmup_steps=1 --eval_interval=2 --eval_tokens=256
+    --log_interval=1)
+  ranks=(1 4) bench=(--preset=tiny --device=cpu) decode=()
 else
-  model=() run=(--max_steps=60 --warmup_steps=10 --eval_interval=30 --eval_tokens=4096 --log_interval=10)
-  lrkv_rank=16 bench=(--preset=128m) decode=(--contexts=2048,8192)
+  # Eager: six models compiled would spend much of the 4 minutes compiling. A quarter of the
+  # paper's batch buys 4x the steps, and the heads move with the steps (Muon moves each matrix by
+  # a fixed amount a step); the paper's lrs, as config/gpu.py's; 8 evaluations a run for
+  # rank_during_training.png, on 16,384 of the 21.6k validation bytes.
+  model=() run=(--batch_size=4 --micro_batch_size=4 --max_steps=500 --warmup_steps=25 --eval_interval=50
+    --eval_tokens=16384 --log_interval=50 --compile=False)
+  ranks=(16 64) bench=(--preset=128m) decode=(--contexts=2048,8192)
 fi
+# the figures' six runs, the Makefile's RUNS, named by the paper's LRKV ranks
+runs=(mha "lrkv-r16 --attn=lrkv --lrkv_rank=${ranks[0]}" "lrkv-r64 --attn=lrkv --lrkv_rank=${ranks[1]}" mqa mla gqa)
 
 gpus
-pipeline() {
-  timeout 25 "$python" prepare_data.py --dataset=pydocs --tokenizer=gpt2 --out_dir="$out/data" || return
-  for attn in mha lrkv; do
-    timeout 75 "$python" train.py config/gpu.py --attn=$attn --lrkv_rank=$lrkv_rank "${model[@]}" "${run[@]}" \
-      --data_dir="$out/data" --out_dir="$out/pipeline/$attn" || return
+figures() {
+  timeout 60 "$python" prepare_data.py --dataset=pydocs --tokenizer=byte --out_dir="$out/data" || return
+  for spec in "${runs[@]}"; do
+    read -r name flags <<<"$spec"
+    # a run past its limit is stopped; its last evaluation's checkpoint is what analyze.py reads
+    timeout 50 "$python" train.py config/gpu.py --vocab_size=256 ${flags:---attn=$name} "${model[@]}" \
+      "${run[@]}" --data_dir="$out/data" --out_dir="$out/figures/$name" || echo "$name: exit $?"
   done
-  timeout 20 "$python" analyze.py "$out/pipeline" \
-    && timeout 25 "$python" sample.py "$out/pipeline/lrkv/ckpt.pt" --prompt="def " --max_new_tokens=32
+  timeout 60 "$python" analyze.py "$out/figures" \
+    && timeout 25 "$python" sample.py "$out/figures/lrkv-r16/ckpt.pt" --prompt="def " --max_new_tokens=64
 }
-pipeline 2>&1 | tee "$out/pipeline.log"
-echo "pipeline: exit ${PIPESTATUS[0]}" | tee -a "$out/pipeline.log"
+figures 2>&1 | tee "$out/figures.log"
+echo "figures: exit ${PIPESTATUS[0]}" | tee -a "$out/figures.log"
 gpus
 timeout 200 "$python" bench.py "${bench[@]}" "${decode[@]}" --only=decode --check --peaks \
   --out="$out/decode.json" 2>&1 | tee "$out/decode.log"

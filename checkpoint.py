@@ -302,7 +302,9 @@ def restore(checkpoint, model, optimizers, device):
 
 
 # The log's format: log appends one record a line to out_dir/log.jsonl, read_log reads them back.
-# Training records hold step and loss (and lr, timings), evaluation records step and val_loss.
+# Training records hold step and loss (and lr, timings), evaluation records step and val_loss (and
+# val_bpb, and each layer's effective_rank and effective_rank_centered; a log from before those
+# were logged has none).
 def log(out_dir, record, line):
     """Print line and append record, whole or not at all: a failed append (a full disk) is cut
     back to the log as it was and raised as a WriteError."""
@@ -322,9 +324,12 @@ def log(out_dir, record, line):
         raise write_error(path, e) from None
 
 
-def log_eval(out_dir, step, val_loss, val_bpb):
-    log(out_dir, dict(step=step, val_loss=val_loss, val_bpb=val_bpb),
-        f"step {step} | val loss {val_loss:.4f} | val bpb {val_bpb:.4f}")
+def log_eval(out_dir, step, val_loss, val_bpb, ranks):
+    """An evaluation's record: its losses and ranks, diversity.layer_ranks of the weights evaluated."""
+    means = [sum(ranks[key]) / len(ranks[key]) for key in ("effective_rank", "effective_rank_centered")]
+    log(out_dir, dict(step=step, val_loss=val_loss, val_bpb=val_bpb, **ranks),
+        f"step {step} | val loss {val_loss:.4f} | val bpb {val_bpb:.4f} | effective rank, mean over "
+        f"layers, {means[0]:.2f} (centred {means[1]:.2f})")
 
 
 def read_log(out_dir):

@@ -1,6 +1,7 @@
-"""Tests of analyze.py: the effective rank at its two ends and in between, the invariances of the
-head-similarity matrix, the trace form against the explicit d x d operators, the bounds of the
-centred rank, and the command line, end to end and on bad input."""
+"""Tests of diversity.py and analyze.py: the effective rank at its two ends and in between, the
+invariances of the head-similarity matrix, the trace form against the explicit d x d operators,
+the bounds of the centred rank, the ranks train.py logs during training, and the command line,
+end to end and on bad input."""
 
 import json
 import os
@@ -16,6 +17,7 @@ import torch
 import analyze
 import checkpoint
 import convert
+import diversity
 import prepare_data
 import train
 from model import GPT, GPTConfig
@@ -41,10 +43,10 @@ def random_orthogonal(seed):
 
 def test_identical_heads_have_rank_one():
     Wq, Wk = random_heads(heads=1)
-    G = analyze.head_similarity(Wq.expand(H, -1, -1), Wk.expand(H, -1, -1))
+    G = diversity.head_similarity(Wq.expand(H, -1, -1), Wk.expand(H, -1, -1))
     np.testing.assert_allclose(G, np.ones((H, H)))
-    assert analyze.effective_rank(G) == pytest.approx(1, abs=1e-9)
-    assert analyze.effective_rank(G, centered=True) == 0  # no spread around the mean at all
+    assert diversity.effective_rank(G) == pytest.approx(1, abs=1e-9)
+    assert diversity.effective_rank(G, centered=True) == 0  # no spread around the mean at all
 
 
 def test_orthogonal_heads_have_rank_H():
@@ -52,10 +54,10 @@ def test_orthogonal_heads_have_rank_H():
     Wq, Wk = random_heads()
     rows = torch.arange(D) // (D // H)
     Wq = Wq * (rows[None, :, None] == torch.arange(H)[:, None, None])
-    G = analyze.head_similarity(Wq, Wk)
+    G = diversity.head_similarity(Wq, Wk)
     np.testing.assert_allclose(G, np.eye(H), atol=1e-15)
-    assert analyze.effective_rank(G) == pytest.approx(H)
-    assert analyze.effective_rank(G, centered=True) == pytest.approx(H - 1)
+    assert diversity.effective_rank(G) == pytest.approx(H)
+    assert diversity.effective_rank(G, centered=True) == pytest.approx(H - 1)
 
 
 def test_three_alike_heads_and_one_apart():
@@ -66,30 +68,30 @@ def test_three_alike_heads_and_one_apart():
     rows = torch.arange(D) // (D // 2)
     Wq = Wq * (rows[None, :, None] == torch.arange(2)[:, None, None])
     heads = torch.tensor([0, 0, 0, 1])
-    G = analyze.head_similarity(Wq[heads], Wk[heads])
+    G = diversity.head_similarity(Wq[heads], Wk[heads])
     p = np.array([3, 1]) / 4
-    assert analyze.effective_rank(G) == pytest.approx(np.exp(-(p * np.log(p)).sum()))
-    assert analyze.effective_rank(G, centered=True) == pytest.approx(1)
+    assert diversity.effective_rank(G) == pytest.approx(np.exp(-(p * np.log(p)).sum()))
+    assert diversity.effective_rank(G, centered=True) == pytest.approx(1)
 
 
 def test_similarity_ignores_basis_and_scale_inside_a_head():
     Wq, Wk = random_heads()
-    G = analyze.head_similarity(Wq, Wk)
+    G = diversity.head_similarity(Wq, Wk)
     R = random_orthogonal(1)
     rotated_q, rotated_k = Wq.clone(), Wk.clone()
     rotated_q[1], rotated_k[1] = Wq[1] @ R, Wk[1] @ R
     rotated_q[2], rotated_k[2] = 3 * Wq[2], 0.2 * Wk[2]
-    np.testing.assert_allclose(analyze.head_similarity(rotated_q, rotated_k), G, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(diversity.head_similarity(rotated_q, rotated_k), G, rtol=0, atol=1e-12)
     # rotating the query side alone does change the operator, so the test above has teeth
     rotated_q[1] = Wq[1] @ random_orthogonal(2)
-    assert not np.allclose(analyze.head_similarity(rotated_q, Wk), G, atol=1e-3)
+    assert not np.allclose(diversity.head_similarity(rotated_q, Wk), G, atol=1e-3)
 
 
 def test_trace_form_equals_explicit_operators():
     Wq, Wk = random_heads()
     A = (Wq @ Wk.transpose(1, 2)).flatten(1)  # the d x d operators, flattened
     A = A / A.norm(dim=1, keepdim=True)
-    np.testing.assert_allclose(analyze.head_similarity(Wq, Wk), A @ A.t(), rtol=0, atol=1e-12)
+    np.testing.assert_allclose(diversity.head_similarity(Wq, Wk), A @ A.t(), rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("heads", [1, 2, 3, 6, 12])
@@ -103,8 +105,8 @@ def test_centred_rank_stays_finite_and_below_H_minus_1(heads):
         "shared key": (Wq, Wk[:1].expand(heads, -1, -1)),
     }
     for name, (q, k) in layers.items():
-        G = analyze.head_similarity(q, k)
-        centred, uncentred = analyze.effective_rank(G, centered=True), analyze.effective_rank(G)
+        G = diversity.head_similarity(q, k)
+        centred, uncentred = diversity.effective_rank(G, centered=True), diversity.effective_rank(G)
         assert 0 <= centred <= max(heads - 1, 0) + 1e-9, name
         assert 1 - 1e-9 <= uncentred <= heads + 1e-9, name
 
@@ -139,6 +141,7 @@ def test_end_to_end(tmp_path, capsys):
     out_dir = tmp_path / "figures"
     analyze.main([str(tmp_path / "out"), "--out_dir", str(out_dir)])
 
+    # MHA's log is one from before train.py logged effective ranks: no rank_during_training.png
     written = sorted(p.name for p in out_dir.iterdir())
     assert written == ["analysis.json", "effective_rank.png", "head_correlation.png", "kv_cache.png",
                        "kv_tradeoff.png", "loss_curves.png", "rank_energy.png"]
@@ -393,3 +396,45 @@ def test_a_damaged_checkpoint_or_log_and_bad_flags_are_one_line(tmp_path, capsys
             analyze.main(args + ([str(path)] if args else []))
         assert exit.value.code == 2 and capsys.readouterr().err == f"analyze.py: error: {says}\n"
     assert not (path.parent / "analysis.json").exists()
+
+
+def test_the_ranks_train_py_logs_are_analyzes_of_the_checkpoint_at_that_step(tmp_path, data_dir, capsys):
+    """Every evaluation logs each layer's effective rank, uncentred and centred: at a step where
+    the run stopped (its checkpoint then that step's) and at its end, after --resume, they are
+    what analyze.py computes from the checkpoint. rank_during_training.png draws them, beside a run
+    whose log predates them, which still analyses."""
+    out = tmp_path / "runs" / "lrkv"
+    flags = [f"--{k}={v}" for k, v in dict(
+        vocab_size=256, block_size=32, n_layer=3, n_head=3, head_dim=16, n_embd=48, attn="lrkv", lrkv_rank=2,
+        batch_size=4, micro_batch_size=4, max_steps=6, warmup_steps=1, eval_interval=2, eval_tokens=256,
+        log_interval=1, device="cpu", dtype="float32", data_dir=data_dir, out_dir=out).items()]
+    for more in (["--stop_after=4"], ["--resume"]):
+        assert train.main(flags + more) == 0
+        analyze.main([str(out / "ckpt.pt")])
+        run = json.loads((out / "analysis.json").read_text())["runs"][0]
+        step = torch.load(out / "ckpt.pt", weights_only=True)["step"]
+        logged = {r["step"]: r for r in checkpoint.read_log(out) if "val_loss" in r}
+        for key in ("effective_rank", "effective_rank_centered"):
+            assert len(logged[step][key]) == 3
+            np.testing.assert_allclose(logged[step][key], run[key], rtol=1e-12)
+    during = run["ranks_during_training"]
+    assert during["step"] == [2, 4, 6]
+    assert during["effective_rank"] == [logged[step]["effective_rank"] for step in (2, 4, 6)]
+    assert "effective rank, mean over layers" in capsys.readouterr().out
+
+    save_checkpoint(tmp_path / "runs" / "old" / "ckpt.pt", attn="mqa", vocab_size=256,
+                    log=[dict(step=5, val_loss=3.0, val_bpb=1.0)])
+    analyze.main([str(tmp_path / "runs")])
+    runs = json.loads((tmp_path / "runs" / "analysis.json").read_text())["runs"]
+    assert [run["ranks_during_training"] is None for run in runs] == [False, True]
+    for centered in (False, True):
+        figure = analyze.plot_rank_during_training(runs, centered)
+        titles = ["Mean over layers", "First layer (0)", "Last layer (2)"]
+        assert [ax.get_title() for ax in figure.axes] == titles
+        for ax, layer in zip(figure.axes, (None, 0, -1)):
+            (line,) = [line for line in ax.lines if line.get_label() == runs[0]["label"]]
+            ranks = np.array(during["effective_rank_centered" if centered else "effective_rank"])
+            np.testing.assert_allclose(line.get_ydata(), ranks.mean(1) if layer is None else ranks[:, layer])
+            assert list(line.get_xdata()) == [2, 4, 6]
+    assert (tmp_path / "runs" / "rank_during_training.png").exists()
+    assert analyze.plot_rank_during_training(runs[1:], False) is None

@@ -1,8 +1,8 @@
 """Beyond one GPU's memory, on the CPU: train.py --fsdp (FSDP2 over two gloo processes) trains to
-one process's losses with Muon and AdamW, with and without activation checkpointing; Muon
-orthogonalises sharded matrices whole; a sharded run resumes exactly and its checkpoint moves
-between DDP and FSDP and is read by analyze.py and sample.py; the presets are the paper's shapes;
-plan.py's memory matches what a step allocates."""
+one process's losses (and logged effective ranks) with Muon and AdamW, with and without
+activation checkpointing; Muon orthogonalises sharded matrices whole; a sharded run resumes
+exactly and its checkpoint moves between DDP and FSDP and is read by analyze.py and sample.py;
+the presets are the paper's shapes; plan.py's memory matches what a step allocates."""
 
 import gc
 import itertools
@@ -166,6 +166,11 @@ def assert_same_losses(run, reference, tolerance):
                                             ("adamw-ac", "adamw")])
 def test_fsdp_matches_one_process(two_processes, one_process, run, optimizer):
     assert_same_losses(two_processes / run, one_process[optimizer], TOLERANCE)
+    # each evaluation's effective ranks, which rank 0 computes from the weights it gathered whole
+    for key in ("effective_rank", "effective_rank_centered"):
+        got, expected = records(two_processes / run, key), records(one_process[optimizer], key)
+        assert sorted(got) == sorted(expected) == [STEPS] and len(got[STEPS]) == TINY["n_layer"]
+        torch.testing.assert_close(got[STEPS], expected[STEPS], rtol=0, atol=1e-5)
 
 
 def test_activation_checkpointing_changes_nothing_in_one_process(data_dir, one_process, tmp_path,

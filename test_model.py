@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import analyze
+import diversity
 from model import ATTENTION, GPT, GPTConfig, GroupedQueryAttention, norm
 from model import rms as cached_rms
 
@@ -537,7 +537,7 @@ def test_head_qk_weights_match_each_variants_projections(attn):
     model = tiny_model(attn)
     layer, c = model.blocks[1].attn, model.config
     x = torch.randn(5, c.n_embd)
-    Wq, Wk = analyze.head_qk_weights(model)[1]
+    Wq, Wk = diversity.head_qk_weights(model)[1]
     assert Wq.shape == Wk.shape == (c.n_head, c.n_embd, layer.qk_dim)
     H = c.n_head
     q = layer.W_q(x).view(5, H, layer.qk_dim)

@@ -150,14 +150,22 @@ def test_schedule_and_optimizers():
 
     model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, head_dim=16, n_embd=32,
                           attn="lrkv", lrkv_rank=4))
-    matrices, adamw = train.configure_optimizers(model, cfg)
-    assert isinstance(matrices, muon.Muon)
-    assert {id(p) for p in matrices.param_groups[0]["params"]} == {id(p) for p in model.blocks.parameters()}
+    newton_schulz, adamw = train.configure_optimizers(model, cfg)
+    assert isinstance(newton_schulz, muon.Muon)
+    blocks = {id(p) for p in model.blocks.parameters()}
+    assert {id(p) for p in newton_schulz.param_groups[0]["params"]} == blocks
     groups = [[id(p) for p in g["params"]] for g in adamw.param_groups]
     assert groups == [[id(model.wte.weight)], [id(model.lm_head.weight)]]
     assert [g["lr"] for g in adamw.param_groups] == [0.2, 0.004]
     (only,) = train.configure_optimizers(model, train.TrainConfig(optimizer="adamw"))
     assert sum(len(g["params"]) for g in only.param_groups) == len(list(model.parameters()))
+    # --ns_dtype pins Newton-Schulz's precision (config/demo.py: fp32 on every CPU); auto follows the device
+    for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+        assert train.configure_optimizers(model, train.TrainConfig(ns_dtype=name))[0].ns_dtype == dtype
+    assert train.configure_optimizers(model, cfg)[0].ns_dtype == hardware.native_dtype("cpu")[0]
+    assert train.parse_args(["config/demo.py", "config/demo_deep.py"])[1].ns_dtype == "float32"
+    with pytest.raises(ValueError, match="ns_dtype"):
+        train.TrainConfig(ns_dtype="float16")
 
 
 def test_muon_in_bf16_matches_torch_muon():

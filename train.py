@@ -11,10 +11,11 @@ Train one attention variant of model.py's GPT on token shards written by prepare
 
 Every field of GPTConfig (model.py) and TrainConfig (below) is a --name=value flag, and a
 positional argument is a preset, a Python file assigning field names (configurator.py). The run
-prints its progress, writes the same records to out_dir/log.jsonl for plotting, and saves
-out_dir/ckpt.pt after every evaluation (checkpoint.py, which also says what a resumed run must
-match). Read top-down: the config, main (checks, then train), the loop, its pieces (optimisers,
-schedule, backward, evaluation) and the data. The rest lives beside it: muon.py the optimiser, parallel.py DDP
+prints its progress, writes the same records to out_dir/log.jsonl for plotting (each evaluation's
+with every layer's effective rank, diversity.py), and saves out_dir/ckpt.pt after every
+evaluation (checkpoint.py, which also says what a resumed run must match). Read top-down: the
+config, main (checks, then train), the loop, its pieces (optimisers, schedule, backward,
+evaluation) and the data. The rest lives beside it: muon.py the optimiser, parallel.py DDP
 and FSDP, convert.py --init_from, hardware.py the device and precision.
 """
 
@@ -35,10 +36,11 @@ from checkpoint import (EVALS, WriteError, checkpoint_dict, claim_out_dir, load_
                         load_resume_checkpoint, log, log_eval, restore, save_checkpoint, start_log)
 from configurator import SEED_LIMIT, ConfigError
 from convert import distill_loss, load_init_checkpoint
+from diversity import weight_ranks
 from hardware import PRECISION_NAMES, check_device, native_dtype, peak_flops, pick_device
 from model import GPT, GPTConfig
 from muon import Muon
-from parallel import no_sync, parallelize, process_group, world
+from parallel import gathered, no_sync, parallelize, process_group, world
 from prepare_data import TOKENIZERS, TrainBatches, load_meta, read_shards, token_bytes
 
 
@@ -86,6 +88,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"  # auto: cuda, then mps, then cpu
     dtype: str = "auto"  # bfloat16 (autocast) or float32; auto: native_dtype's choice for the device
+    ns_dtype: str = "auto"  # Muon's Newton-Schulz: bfloat16 or float32; auto: native_dtype's, as dtype
     compile: bool | None = None  # torch.compile; None: on CUDA only
     # under torchrun, shard weights, gradients and optimizer states over the processes (FSDP2)
     fsdp: bool = False
@@ -107,7 +110,8 @@ class TrainConfig:
         if not 0 <= self.seed < SEED_LIMIT:
             bad("seed", "between 0 and 2**64 - 1")
         check_device(self.device)
-        for field, allowed in (("optimizer", ("muon", "adamw")), ("dtype", ("auto", "bfloat16", "float32"))):
+        for field, allowed in (("optimizer", ("muon", "adamw")), ("dtype", ("auto", "bfloat16", "float32")),
+                               ("ns_dtype", ("auto", "bfloat16", "float32"))):
             if getattr(self, field) not in allowed:
                 bad(field, "one of " + ", ".join(allowed))
         if not 0 <= self.distill <= 1:
@@ -215,8 +219,9 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
     if initial is not None:  # the converted model's loss is the first point of the run's curve
         val_loss, val_bpb = evaluate(model, val_tokens, bytes_per_token, T, micro_batch, autocast, rank,
                                      world_size)
+        weights = gathered(raw_model.state_dict())  # every rank: under FSDP, gathering is a collective
         if is_main:
-            log_eval(out_dir, 0, val_loss, val_bpb)
+            log_eval(out_dir, 0, val_loss, val_bpb, weight_ranks(weights, model_config))
 
     # timings average over each log interval; on CUDA the first one includes torch.compile's compiling
     t0, timed_steps = time.perf_counter(), 0
@@ -265,8 +270,8 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
                          best_val_loss=min(val_loss, best[0]), best_val_bpb=min(val_bpb, best[1]))
             # every rank: under FSDP, gathering the shards to rank 0 is a collective
             saved = checkpoint_dict(raw_model, model_config, cfg, optimizers, step, evals, meta, device)
-            if is_main:
-                log_eval(out_dir, step, val_loss, val_bpb)
+            if is_main:  # the heads' diversity from the weights just gathered: no collective of its own
+                log_eval(out_dir, step, val_loss, val_bpb, weight_ranks(saved["model"], model_config))
                 save_checkpoint(ckpt_path, saved)
             t0, timed_steps = time.perf_counter(), 0
     return 0
@@ -293,7 +298,8 @@ def configure_optimizers(model, cfg, ns_dtype=None):
     the token embedding and the unembedding; --optimizer=adamw moves the blocks' matrices to AdamW at
     adamw_lr. The paper's AdamW lrs are kept as they are: nanochat's (n_embd / 768) ** -0.5 scaling
     of them is 1 at the 128M width, and the paper does not say it applies it elsewhere.
-    Each param group's initial_lr is the peak that the schedule scales; ns_dtype goes to Muon."""
+    Each param group's initial_lr is the peak that the schedule scales; Muon's Newton-Schulz runs in
+    ns_dtype (a torch.dtype) if given, else in cfg.ns_dtype."""
     matrices = list(model.blocks.parameters())
     if len(matrices) + 2 != len(list(model.parameters())):
         raise ValueError("GPT has parameters outside wte, lm_head and the blocks: configure_optimizers "
@@ -309,6 +315,8 @@ def configure_optimizers(model, cfg, ns_dtype=None):
         # by 0.02 times an orthogonal matrix, the convention of modded-nanogpt and nanochat that
         # the paper's 0.02 comes from. Weight decay multiplies each matrix by 1 - lr * weight_decay
         # a step, with the unadjusted lr.
+        if ns_dtype is None and cfg.ns_dtype != "auto":
+            ns_dtype = getattr(torch, cfg.ns_dtype)
         muon = Muon(matrices, lr=cfg.muon_lr, weight_decay=cfg.weight_decay, ns_dtype=ns_dtype)
         optimizers = [muon, torch.optim.AdamW(adamw_groups, **adamw)]
     for opt in optimizers:

@@ -32,8 +32,11 @@ embedding_lr = 0.4
 unembedding_lr = 0.008
 eval_interval = 50  # often enough for analyze.py's loss curves
 # fp32 even where the CPU has bf16 instructions: at 96 wide the casts cost more than bf16 saves (an
-# AMX CPU, one thread: forward + backward 55 ms in fp32, 91 ms under bf16 autocast). Muon's
-# Newton-Schulz still follows hardware.native_dtype.
+# AMX CPU, one thread: forward + backward 55 ms in fp32, 91 ms under bf16 autocast).
 dtype = "float32"
+# Muon's Newton-Schulz in fp32 too, so that the demo computes the same on every CPU: left to
+# hardware.native_dtype it ran in bf16 on an AMX CPU, and MQA ended at 1.595 there against 1.609
+# with fp32 (docs/results.md); config/demo_deep.py inherits it.
+ns_dtype = "float32"
 eval_tokens = 128 * 128  # the pydocs val split holds ~21.6k tokens (Python 3.11); other Pythons ship other docs
 log_interval = 25

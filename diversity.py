@@ -1,0 +1,99 @@
+"""
+Head diversity from the weights alone (the paper's section 4), shared by analyze.py, which draws
+it from checkpoints, and train.py, which logs it at every evaluation.
+
+Head h of a layer scores key token y against query token x through the bilinear operator
+A_h = W_h^Q (W_h^K)^T (d x d), before the QK norm and RoPE. The head-similarity matrix G holds
+the cosines of the A_h under the Frobenius inner product, and its effective rank says how many
+distinct operators the layer's H heads amount to: 1 if all are the same, H if all are orthogonal.
+Everything is computed on the CPU in float64.
+"""
+
+import math
+
+import numpy as np
+import torch
+
+from convert import head_kv_weights
+from model import GPT
+
+
+@torch.no_grad()
+def head_qk_weights(model):
+    """Per layer, (Wq, Wk), each (H, d, d_qk): head h's query is x @ Wq[h] and its key x @ Wk[h],
+    before the QK norm and RoPE. The keys are a variant's head_key_weights where it defines them
+    (MLA: its latent norm taken as identity), else its per-head projections (head_kv_weights)."""
+    weights = []
+    for block in model.blocks:
+        attn = block.attn
+        Wq = attn.W_q.weight.view(attn.n_head, attn.qk_dim, -1).transpose(1, 2)
+        Wk = (attn.head_key_weights() if hasattr(attn, "head_key_weights")
+              else head_kv_weights(attn, model.config.attn)[0].mT)
+        weights.append((Wq.detach().clone(), Wk.detach().clone()))
+    return weights
+
+
+def head_similarity(Wq, Wk):
+    """G[i, j] = <A_i, A_j>_F / (||A_i||_F ||A_j||_F) for A_h = Wq[h] Wk[h]^T, Wq and Wk (H, d, d_qk).
+    Section 4's trace form <A_i, A_j>_F = trace(Wk_i^T Wk_j Wq_j^T Wq_i) is the sum over (a, b) of
+    (Wq_i^T Wq_j)[a, b] (Wk_i^T Wk_j)[a, b]: every pair's d_qk x d_qk products come out of one
+    (H d_qk)^2 Gram matrix per side, and no d x d operator is ever built. In numpy: its W.T @ W
+    computes only half of the symmetric product (BLAS syrk), about twice as fast as torch's."""
+    H, d, d_qk = Wq.shape
+
+    def pair_products(W):  # [i, a, j, b] = (W_i^T W_j)[a, b]
+        W = W.double().numpy().transpose(1, 0, 2).reshape(d, H * d_qk)
+        return (W.T @ W).reshape(H, d_qk, H, d_qk)
+
+    inner = (pair_products(Wq) * pair_products(Wk)).sum((1, 3))
+    norms = np.sqrt(inner.diagonal())
+    return inner / np.outer(norms, norms)
+
+
+def effective_rank(G, centered=False):
+    """exp(-sum p_i log p_i) over the eigenvalues p_i of G normalised to sum 1 (section 4).
+    centered: double-centre G first, as kernel PCA does, so that only how the heads spread
+    around their mean operator counts; the centred G has at most H - 1 non-zero eigenvalues."""
+    H = len(G)
+    if centered:
+        G = G - G.mean(0, keepdims=True) - G.mean(1, keepdims=True) + G.mean()
+    eigenvalues = np.linalg.eigvalsh(G)
+    # G is positive semi-definite with trace H (centred: at most H), so eigenvalues this small
+    # are rounding: kept, they would count as directions, and when all heads are identical the
+    # centred G is nothing but rounding
+    p = eigenvalues[eigenvalues > 1e-9 * H]
+    if len(p) == 0:
+        # A zero (centred) G: the entropy is undefined, but its rank is 0, and an effective rank
+        # lies between 1 and the rank for every other matrix, so 0 it is: no spread at all.
+        return 0.0
+    p = p / p.sum()
+    return math.exp(-(p * np.log(p)).sum())
+
+
+def similarities(model):
+    """Each layer's G, of a GPT whose attention weights are float64 on the CPU (analyze.py's
+    checkpoint, or attention_model's copy of a running model's)."""
+    return [head_similarity(Wq, Wk) for Wq, Wk in head_qk_weights(model)]
+
+
+def layer_ranks(similarity):
+    """{"effective_rank": per layer, "effective_rank_centered": per layer} of similarities' Gs:
+    what analysis.json and train.py's evaluation records hold under these keys."""
+    return {"effective_rank": [effective_rank(G) for G in similarity],
+            "effective_rank_centered": [effective_rank(G, centered=True) for G in similarity]}
+
+
+def attention_model(state_dict, config):
+    """A shell of the GPT of config (on the meta device) holding a float64 CPU copy of state_dict's
+    attention weights, whole tensors on any device; the rest is never read, so it stays where it is.
+    The copy leaves the running model's weights untouched."""
+    with torch.device("meta"):
+        model = GPT(config)
+    model.load_state_dict({k: v.detach().to("cpu", torch.float64) if ".attn." in k else v
+                           for k, v in state_dict.items()}, assign=True)
+    return model
+
+
+def weight_ranks(state_dict, config):
+    """layer_ranks of the GPT of config holding state_dict (whole tensors, on any device)."""
+    return layer_ranks(similarities(attention_model(state_dict, config)))
