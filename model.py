@@ -102,7 +102,7 @@ class Attention(nn.Module):
     be a 2-D matrix: train.py hands all of them to Muon, which orthogonalises matrices.
     After its math a variant may define: check (its knobs), reset_parameters (parameters outside
     an nn.Linear), attention_macs (values not head_dim wide), legend_label and legend_key
-    (analyze.py), head_key_weights (analyze.py, where head_kv_weights cannot give the keys), and
+    (analyze.py), head_key_weights (diversity.py, where head_kv_weights cannot give the keys), and
     its conversion, head_kv_weights and load_head_kv_weights (convert.py)."""
 
     def __init__(self, config, layer, qk_dim=None, rope_dim=None):
@@ -641,7 +641,7 @@ class MultiHeadLatentAttention(Attention):
 
     def head_key_weights(self):
         """(H, d, d_h + d_R): head h's key is x @ Wk[h] before the QK norm and RoPE, the latent's
-        norm taken as identity. analyze.py's: MLA gives no per-head projections to convert."""
+        norm taken as identity. diversity.py's: MLA gives no per-head projections to convert."""
         W_up_k = self.W_up_k.weight.view(self.n_head, self.head_dim, self.kv_lora_rank)
         Wk_nope = torch.einsum("cx,hnc->hxn", self.W_down.weight, W_up_k)
         Wk_rope = self.W_kr.weight.t().expand(self.n_head, -1, -1)

@@ -202,8 +202,11 @@ class ByteTokenizer:
     name, vocab_size, eot_id = "byte", 256, 0
 
     def encode_batch(self, texts):
-        return [np.frombuffer(t.replace("\0", "").encode(), dtype=np.uint8).astype(np.uint16)
-                for t in texts]
+        return [self.encode_bytes(t.encode()) for t in texts]
+
+    def encode_bytes(self, data):
+        """Any bytes, text or not, less the NULs, which would read as ends of documents."""
+        return np.frombuffer(data.replace(b"\0", b""), dtype=np.uint8).astype(np.uint16)
 
     def decode_bytes(self, ids):
         ids = np.asarray(ids, dtype=np.uint8)

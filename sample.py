@@ -72,7 +72,7 @@ def encode_prompt(prompt, tok):
         data = os.fsencode(prompt)
     # end-of-text opens every document in the shards: a prompt is the start of one
     if tok.name == "byte":
-        return [tok.eot_id, *data.replace(b"\0", b"")]  # as ByteTokenizer.encode_batch drops NUL
+        return [tok.eot_id, *tok.encode_bytes(data).tolist()]
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
