@@ -32,11 +32,10 @@ from matplotlib.ticker import MaxNLocator
 
 from checkpoint import check_writable, load_checkpoint, read_log
 from configurator import ArgumentParser, ConfigError
-from convert import attention_input_covariances, head_kv_weights
+from convert import CALIBRATION_TOKENS, attention_input_covariances, head_kv_weights
 from diversity import layer_ranks, similarities
 from model import ATTENTION, shared_plus_low_rank
 from prepare_data import TrainBatches, atomic_open, read_shard, shard_paths, write_atomic
-from train import TrainConfig
 
 
 def fail(path, problem):
@@ -67,9 +66,9 @@ def rank_energy(model, covariances=None):
 
 def seen_rank_energy(path):
     """rank_energy of the checkpoint's heads as its attention's inputs see them, calibrated as
-    train.py --init_from calibrates a conversion from it by default: TrainConfig's
-    calibration_tokens tokens of its data_dir's train split, drawn for its seed. (None, why)
-    where that data is not there, else (energy, None)."""
+    train.py --init_from calibrates a conversion from it by default: CALIBRATION_TOKENS tokens of
+    its data_dir's train split, drawn for its seed. (None, why) where that data is not there, else
+    (energy, None)."""
     ckpt, model = load_checkpoint(path, "cpu")
     config = ckpt.get("config", {})
     if "data_dir" not in config:
@@ -80,7 +79,7 @@ def seen_rank_energy(path):
         return None, str(e)
     batches = TrainBatches(shards, model.config.block_size)
     # 8 windows at a time: the 128M model's activations for 8 x 2048 tokens fit a CPU's memory
-    covariances = attention_input_covariances(model, batches, TrainConfig.calibration_tokens,
+    covariances = attention_input_covariances(model, batches, CALIBRATION_TOKENS,
                                               config.get("seed", 0), 8, "cpu")
     return rank_energy(model.double(), covariances), None
 
@@ -526,6 +525,8 @@ def main(argv=None):
              "rank_during_training.png": "a log.jsonl with effective ranks beside it"}
     # each file whole or not at all, should the disk fill meanwhile: the last analysis stays whole
     try:
+        written = out_dir
+        out_dir.mkdir(parents=True, exist_ok=True)
         for name, fig in figures.items():
             written = out_dir / name
             if fig is None:

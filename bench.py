@@ -1,8 +1,9 @@
 """
 What each attention variant costs, all at one configuration, in one process.
 
-Precision is hardware.native_dtype's: bf16 where the device multiplies it in hardware (a GPU, a CPU
-with AMX or AVX512-BF16), fp32 elsewhere; the first line says which and why.
+Precision is the policy's for each use (hardware.precision: training autocast, Newton-Schulz,
+decoding, each in whichever of bf16 and fp32 the device runs faster); the first line says which
+and why, and --dtype sets all three.
 
 Training: forward, backward and train.py's optimizer step on random tokens (bf16 autocast where
 bf16 is native; torch.compile on a GPU), timed after warm-up, median of several steps: ms,
@@ -16,7 +17,7 @@ MHA's. At the first batch size and context, generate() with and without the cach
 the cache buys. With --random_caches, the caches are filled with random entries instead of a
 prefill (a step's cost does not depend on the values it reads, and a 16 x 8,192 prefill takes
 minutes on a CPU), and generate() is left out. Decoding holds weights and cache alike in the
-native dtype, as a server would (autocast would re-cast every weight at every token). Eager,
+policy's dtype for decoding, as a server would (autocast would re-cast every weight at every token). Eager,
 the caches grow by one position a step and on a GPU every step pays its kernel launches;
 compiled, the step runs on fixed shapes (fast_decode.py: the whole cache under a position mask),
 as one CUDA graph on a GPU; the seconds its compiling takes are reported apart.
@@ -46,6 +47,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict
 from datetime import datetime, timezone
+from pathlib import Path
 
 import torch
 from torch.autograd import DeviceType
@@ -54,7 +56,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from checkpoint import check_writable
 from configurator import ArgumentParser, ConfigError
 from fast_decode import compiled_step, fix
-from hardware import DEVICES, PRECISION_NAMES, native_dtype, peak_flops, pick_device
+from hardware import DEVICES, PRECISION_NAMES, USES, peak_flops, pick_device, precision
 from model import ATTENTION, GPT, GPTConfig
 from prepare_data import atomic_open
 from train import TrainConfig, configure_optimizers, optimizer_step
@@ -185,7 +187,7 @@ def sdpa_backend_ms(config, preset, device):
     return result
 
 
-def bench_train(config, preset, device, dtype, compile, profile):
+def bench_train(config, preset, device, dtype, ns_dtype, compile, profile):
     """train.py's step without its data: forward and backward, then the gradient clip and the
     paper's optimisers, whose share is timed too (it does not grow with the batch). With profile,
     on a GPU, also which attention kernels the step runs (sdpa_in_use)."""
@@ -194,7 +196,7 @@ def bench_train(config, preset, device, dtype, compile, profile):
     torch.manual_seed(0)
     cfg = TrainConfig()
     model = GPT(config).to(device)
-    optimizers = configure_optimizers(model, cfg, ns_dtype=dtype)
+    optimizers = configure_optimizers(model, cfg, ns_dtype=ns_dtype)
     forward = torch.compile(model) if compile else model
     autocast = torch.autocast(device.type, torch.bfloat16) if dtype == torch.bfloat16 else nullcontext()
     B, T = preset["batch_size"], preset["seq_len"]
@@ -376,6 +378,7 @@ def ceilings(p):
 
 def save(result, path):
     try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         with atomic_open(path) as f:
             f.write(json.dumps(result, indent=1, allow_nan=False).encode())
     except OSError as e:  # a full disk: the last results saved stay whole
@@ -394,7 +397,8 @@ def markdown(result):
              f"{result['date']}"]
     if "train" in baseline:
         mode = "compiled" if tr["compile"] else "eager"
-        lines += ["", f"Training: {tr['batch_size']} x {tr['seq_len']} tokens a step, {tr['dtype']}, {mode}, "
+        lines += ["", f"Training: {tr['batch_size']} x {tr['seq_len']} tokens a step, {tr['dtype']}, "
+                      f"Newton-Schulz in {tr['ns_dtype']}, {mode}, "
                       f"median of {tr['steps']} steps after {tr['warmup']}", "",
                   "| variant | ms/step | of which optimizer | tokens/s | MFU | x MHA |",
                   "|---|---:|---:|---:|---:|---:|"]
@@ -501,12 +505,14 @@ def main(argv=None):
     parser.add_argument("--new_tokens", type=int,
                         help="single-token steps per round and variant in decoding (default: the preset's)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                        help="training autocast, Newton-Schulz and decoding; auto: hardware.native_dtype's")
+                        help="training autocast, Newton-Schulz and decoding; auto: the policy's for each")
     parser.add_argument("--out", default="out/bench.json")
     args = parser.parse_args(argv)
     try:
         device = pick_device(args.device)
         check_writable(args.out)  # before the measuring, not after it
+        policy = {use: (getattr(torch, args.dtype), "--dtype") if args.dtype != "auto"
+                  else precision(use, device) for use in USES}
     except ConfigError as e:
         parser.error(str(e))
     preset = dict(PRESETS[args.preset])
@@ -522,9 +528,8 @@ def main(argv=None):
     block_size = max(GPTConfig(**preset["model"]).block_size, *preset["contexts"])
     preset["model"] = {**preset["model"], "block_size": block_size}
     compile = device.type == "cuda" if args.compile is None else args.compile
-    dtype, why = native_dtype(device) if args.dtype == "auto" else (getattr(torch, args.dtype), "--dtype")
-    precision = PRECISION_NAMES[dtype]
-    log(f"precision: {precision} (training autocast, Newton-Schulz, decoding): {why}")
+    (dtype, _), (ns_dtype, _), (decode_dtype, _) = policy.values()
+    log("precision: " + ", ".join(f"{use} {PRECISION_NAMES[d]} ({why})" for use, (d, why) in policy.items()))
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # as train.py: TF32 where autocast leaves fp32
     if device.type == "cuda":
@@ -537,14 +542,15 @@ def main(argv=None):
         config={k: v for k, v in asdict(GPTConfig(**preset["model"])).items() if k != "attn"},
         train=dict(batch_size=preset["batch_size"], seq_len=preset["seq_len"], warmup=preset["warmup"],
                    steps=preset["steps"], compile=compile,
-                   dtype=f"{precision} autocast" if dtype == torch.bfloat16 else precision),
+                   dtype=PRECISION_NAMES[dtype] + " autocast" * (dtype == torch.bfloat16),
+                   ns_dtype=PRECISION_NAMES[ns_dtype]),
         decode=dict(batch_sizes=list(preset["decode_batches"]), contexts=list(preset["contexts"]),
                     new_tokens=preset["new_tokens"], rounds=DECODE_ROUNDS, random_caches=args.random_caches,
-                    dtype=str(dtype).removeprefix("torch.")),
+                    dtype=str(decode_dtype).removeprefix("torch.")),
         variants={},
     )
     if args.peaks or args.only == "peaks":
-        result["peaks"] = measure_peaks(preset, device, dtype)
+        result["peaks"] = measure_peaks(preset, device, decode_dtype)
         for p in result["peaks"]:
             log(ceilings(p))
         save(result, args.out)
@@ -557,13 +563,13 @@ def main(argv=None):
         config = GPTConfig(attn=attn, **preset["model"])
         row = result["variants"][attn] = {}
         if args.check:
-            row["check"] = check(config, preset, device, dtype)
+            row["check"] = check(config, preset, device, decode_dtype)
             ch = row["check"]
             log(f"{attn}: flash attention {ch['flash_error'] or 'ok'}; "
                 f"cached vs full logits {ch['decode_rel_err']:.1e}")
         if args.only in (None, "train"):
             log(f"{attn}: training")
-            row["train"] = bench_train(config, preset, device, dtype, compile, profile=args.check)
+            row["train"] = bench_train(config, preset, device, dtype, ns_dtype, compile, profile=args.check)
             t = row["train"]
             t["x_mha"] = t["ms_per_step"] / result["variants"][BASELINE]["train"]["ms_per_step"]
             mfu = "" if t["mfu"] is None else f", MFU {100 * t['mfu']:.1f}%, {t['max_memory_gib']:.1f} GiB"
@@ -583,7 +589,8 @@ def main(argv=None):
                 result["variants"][attn]["decode"] = decode_rows
             save(result, args.out)
         decoded = bench_decode({attn: GPTConfig(attn=attn, **preset["model"]) for attn in result["variants"]},
-                               preset, device, dtype, args.compiled_decode, measured, args.random_caches)
+                               preset, device, decode_dtype, args.compiled_decode, measured,
+                               args.random_caches)
         for attn, (rows, uncached) in decoded.items():
             row = result["variants"][attn]
             row["decode"], row["uncached"] = rows, uncached

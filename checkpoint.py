@@ -40,16 +40,18 @@ class WriteError(Exception):
 
 
 def check_writable(path):
-    """A ConfigError of one line unless a file can be written at path, its folder made if missing:
-    analyze.py and bench.py check it before the work whose results would go there."""
+    """A ConfigError of one line unless a file can be written at path, with any missing folders on
+    the way made there: analyze.py and bench.py check it before the work whose results would go
+    there, and make the folders only when they write, so that bad input leaves nothing behind."""
     path = Path(path)
     try:
         if path.is_dir():
             raise IsADirectoryError(errno.EISDIR, "it is a folder")
-        if path.parent.exists() and not path.parent.is_dir():
-            raise NotADirectoryError(errno.ENOTDIR, "its folder is a file")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path.parent):
+        existing = next(folder for folder in path.parents if folder.exists())  # "." at least
+        if not existing.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "its folder is a file" if existing == path.parent
+                                     else f"{existing}, a folder on its way, is a file")
+        with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as e:
         raise ConfigError(f"{path}: cannot be written: {e.strerror}") from None

@@ -17,6 +17,12 @@ from checkpoint import load_checkpoint
 from configurator import ConfigError
 from model import GPT
 
+# train.py --init_from's default calibration (its --calibration_tokens), which analyze.py's
+# rank_energy.png sees the heads through too: 65,536 tokens are 32 of the paper's 2048-token
+# sequences, ~85 tokens a dimension of the 128M model's 768-wide input (SVD-LLM calibrates
+# Llama-7B's 4096 on 256 x 2048, ~128), for one forward pass over two of its training steps' tokens.
+CALIBRATION_TOKENS = 65_536
+
 
 def head_kv_weights(attn, name):
     """attn's per-head projections (W_K, W_V), each (H, d_h, d) in nn.Linear's layout: head h's key

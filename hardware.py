@@ -3,6 +3,7 @@ The machine a script runs on: which device (--device), what it computes in (the 
 and its peak, for MFU. train.py, sample.py, bench.py and plan.py share these.
 """
 
+import os
 from pathlib import Path
 
 import torch
@@ -10,6 +11,29 @@ import torch
 from configurator import ConfigError
 
 PRECISION_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+# What the precision policy decides, one dtype each: train.py's autocast, Muon's Newton-Schulz, and
+# the weights and KV cache that sample.py and bench.py decode with
+USES = ("train", "newton_schulz", "decode")
+USE_NAMES = dict(train="training", newton_schulz="Newton-Schulz", decode="decoding")
+# LRKV_PRECISION=bf16 or fp32 forces every use to it, on any device: how the tests run the scripts
+# as a CPU of another class would, and how a user overrides the policy for a whole run
+FORCE = "LRKV_PRECISION"
+FORCED = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+# The policy on a CPU, by what multiplies bf16 there (cpu_bf16_unit): each use in whichever of bf16
+# and fp32 a CPU of that class ran faster (docs/benchmarks.md#precision, which has the numbers and
+# the commands). Training autocasts and Newton-Schulz multiplies whole matrices, which a bf16 unit
+# does in about half of fp32's time; where bf16 is emulated it takes dozens of times fp32's. Decoding
+# a token reads the whole cache through matrix-vector products and small GEMMs, whose bf16 kernels
+# lost to fp32's on both classes with a bf16 unit, but for different variants (MHA on one, LRKV and MLA
+# on the other): fp32, which wins as often, also decodes the same tokens on every CPU.
+BF16, FP32 = torch.bfloat16, torch.float32
+CPU_POLICY = {
+    "AMX": dict(train=BF16, newton_schulz=BF16, decode=FP32),
+    "AVX512-BF16": dict(train=BF16, newton_schulz=BF16, decode=FP32),
+    None: dict(train=FP32, newton_schulz=FP32, decode=FP32),
+}
 
 # Dense bf16 peak FLOP/s of one GPU, matched in this order against torch.cuda.get_device_name
 PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
@@ -40,34 +64,71 @@ def pick_device(name, local_rank=0):
     return torch.device("cuda", local_rank) if name == "cuda" else torch.device(name)
 
 
-def native_dtype(device):
-    """(dtype, why): bfloat16 where the device multiplies bf16 in hardware, float32 elsewhere.
-    The dtype that training autocasts to, Muon's Newton-Schulz runs in and decoding holds its
-    weights and KV cache in, unless a flag says otherwise. Where bf16 is emulated it is no saving:
-    on an AVX2 CPU one 128M layer's training step takes 53x as long in bf16 as in fp32
-    (docs/benchmarks.md#precision)."""
+def precision(use, device):
+    """(dtype, why) for one of USES on device: bf16 or fp32, by the policy (CPU_POLICY on a CPU;
+    bf16 on a GPU with bf16 tensor cores; fp32 elsewhere, MPS included), unless LRKV_PRECISION
+    forces one. why is the reason, for the line each script prints first."""
+    if use not in USES:
+        raise ValueError(f"precision use {use!r}: one of {', '.join(USES)}")
+    if forced_precision() is not None:
+        return forced_precision(), f"{FORCE}={os.environ[FORCE]}"
     torch_device = torch.device(device)
     if torch_device.type == "cuda":
+        name = torch.cuda.get_device_name(torch_device)
         if torch.cuda.is_bf16_supported(including_emulation=False):
-            return torch.bfloat16, f"{torch.cuda.get_device_name(torch_device)} computes bf16"
-        return torch.float32, f"{torch.cuda.get_device_name(torch_device)} has no bf16 tensor cores"
+            return torch.bfloat16, f"{name} computes bf16"
+        return torch.float32, f"{name} has no bf16 tensor cores"
     if torch_device.type == "cpu":
-        capability = torch.backends.cpu.get_cpu_capability()
-        if cpu_has_bf16():
-            return torch.bfloat16, f"this CPU ({capability}) has bf16 instructions"
-        return torch.float32, f"this CPU ({capability}) has no bf16 matmul"
+        unit = cpu_bf16_unit()
+        here = f"this CPU ({torch.backends.cpu.get_cpu_capability()}, {unit or 'no bf16 unit'})"
+        dtype = CPU_POLICY[unit][use]
+        if unit is None:
+            return dtype, f"{here} would emulate bf16"
+        return dtype, f"{here}: its class ran {USE_NAMES[use]} faster in {PRECISION_NAMES[dtype]}"
     return torch.float32, f"bf16 on {torch_device.type} is not known to be native"
 
 
-def cpu_has_bf16():
-    """Whether this CPU multiplies bf16 in hardware: x86's AVX512-BF16 or AMX-BF16 or Arm's BF16
-    extension, as Linux lists them, and oneDNN, PyTorch's CPU matmul library, allowed to use them
-    (ONEDNN_MAX_CPU_ISA=AVX2 makes such a CPU compute as an AVX2 one does)."""
+def forced_precision():
+    """The dtype that LRKV_PRECISION forces, None where it is unset or empty, a ConfigError for any
+    other value: a script calls it before it writes anything."""
+    forced = os.environ.get(FORCE)
+    if forced and forced not in FORCED:
+        raise ConfigError(f"{FORCE}={forced}: must be one of {', '.join(FORCED)}, or unset for the policy")
+    return FORCED[forced] if forced else None
+
+
+def cpu_bf16_unit():
+    """What multiplies bf16 on this CPU, for oneDNN (PyTorch's CPU matmul library): "AMX" (Intel's
+    tile unit, AMX-BF16), "AVX512-BF16" (bf16 dot products in the vector unit: AVX512-BF16, or Arm's
+    BF16 extension), or None (bf16 emulated in fp32). Linux's flags say what the CPU has, and
+    ONEDNN_MAX_CPU_ISA what oneDNN may use of it: ONEDNN_MAX_CPU_ISA=AVX2 makes any CPU an AVX2 one,
+    AVX512_CORE_BF16 an AMX CPU one without AMX."""
+    flags = cpu_flags()
+    if not onednn_has_bf16():
+        return None
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
+    uncapped = cap in ("ALL", "DEFAULT")
+    if "amx_bf16" in flags and (uncapped or "AMX" in cap):
+        return "AMX"
+    # oneDNN's ISAs from AVX512_CORE_BF16 up all have bf16 dot products
+    if flags & {"avx512_bf16", "bf16"} and (uncapped or "BF16" in cap or "FP16" in cap or "AMX" in cap
+                                            or cap.startswith("AVX10")):
+        return "AVX512-BF16"
+    return None
+
+
+def cpu_flags():
+    """The CPU's feature flags as Linux lists them; none off Linux, where no reliable way tells, and
+    fp32 is never emulated."""
     try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:  # not Linux: no reliable way to tell, and fp32 is never emulated
-        return False
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"}) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return set()
+
+
+def onednn_has_bf16():
+    """Whether this build of oneDNN computes bf16 on this CPU at all (False under ONEDNN_MAX_CPU_ISA=AVX2)."""
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def peak_flops(device):

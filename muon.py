@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from hardware import native_dtype
+from hardware import precision
 
 
 class Muon(torch.optim.Optimizer):
@@ -35,7 +35,7 @@ class Muon(torch.optim.Optimizer):
     in rank 0's state_dict under DDP and once checkpoint_dict gathers its shards under FSDP, so that
     one checkpoint resumes under one process, DDP or FSDP alike (and torch.optim.Muon's here).
 
-    ns_dtype: what Newton-Schulz runs in; None: native_dtype's choice for the parameters' device.
+    ns_dtype: what Newton-Schulz runs in; None: the precision policy's for the parameters' device.
     torch.optim.Muon runs it in bf16 everywhere; the iteration only needs the update's direction
     to a few bits, so fp32 changes no result that matters and spares a CPU without bf16
     instructions its emulated bf16 matmuls, tens of times slower than fp32 ones."""
@@ -45,7 +45,7 @@ class Muon(torch.optim.Optimizer):
         params = [p for group in self.param_groups for p in group["params"]]
         if any(p.ndim != 2 for p in params):
             raise ValueError("Muon: every parameter must be a matrix")
-        self.ns_dtype = ns_dtype or native_dtype(params[0].device)[0]
+        self.ns_dtype = ns_dtype or precision("newton_schulz", params[0].device)[0]
         distributed = dist.is_initialized()
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
         # eager on a CPU, where compiling (a C++ compiler, tens of seconds) costs more than it saves

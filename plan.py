@@ -384,7 +384,7 @@ def measure(config, cfg, args):
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     device = hardware.pick_device(cfg.device, local_rank)
     dtype = train.run_dtype(cfg, device)
-    machine = Machine(dtype, hardware.native_dtype(device)[0], device.type == "cuda")
+    machine = Machine(dtype, hardware.precision("newton_schulz", device)[0], device.type == "cuda")
     micro = min(cfg.micro_batch_size, cfg.batch_size // world_size)
     if world_size > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")

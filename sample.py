@@ -26,7 +26,7 @@ from fast_decode import compiled_decode
 from prepare_data import get_tokenizer
 from checkpoint import load_checkpoint
 from configurator import ArgumentParser, ConfigError, seed
-from hardware import DEVICES, native_dtype, pick_device
+from hardware import DEVICES, pick_device, precision
 
 
 def positive_int(text):
@@ -82,11 +82,11 @@ def encode_prompt(prompt, tok):
 
 
 def decoding_dtype(ckpt, device):
-    """The precision policy (hardware.native_dtype) for decoding, but float32 for a run trained in
-    float32 on purpose: its logits are then the ones training evaluated."""
+    """(dtype, why): the precision policy's for decoding (hardware.precision), but float32 for a run
+    trained in float32 on purpose: its logits are then the ones training evaluated."""
     if ckpt.get("config", {}).get("dtype") == "float32":
-        return torch.float32
-    return native_dtype(device)[0]
+        return torch.float32, "the run trained in float32 by choice"
+    return precision("decode", device)
 
 
 def size(n_bytes):
@@ -114,7 +114,7 @@ def main(argv=None):
                         help=f"{', '.join(DEVICES)}; auto: cuda, else mps, else cpu")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="weights and KV cache; auto: float32 for a run trained in it by choice "
-                             "(--dtype=float32, as config/demo.py), else bf16 where the device computes it")
+                             "(--dtype=float32, as config/demo.py), else the precision policy's for decoding")
     parser.add_argument("--no_cache", action="store_true",
                         help="decode without the KV cache: every step reads the whole sequence again")
     parser.add_argument("--compile", action="store_true",
@@ -128,12 +128,14 @@ def main(argv=None):
         if args.compile and args.no_cache:
             raise ConfigError("--compile compiles the cached single-token step: it cannot go with --no_cache")
         prompt = encode_prompt(args.prompt, tok)
+        dtype, why = ((getattr(torch, args.dtype), "--dtype") if args.dtype != "auto"
+                      else decoding_dtype(ckpt, device))
     except ConfigError as e:
         print(f"sample.py: {e}", file=sys.stderr)
         return 2
 
-    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else decoding_dtype(ckpt, device)
     dtype_name = str(dtype).removeprefix("torch.")
+    print(f"precision: {dtype_name} weights and KV cache ({why})", flush=True)
     model.to(dtype).eval()
     # seeded after loading, whose model init draws from the RNG: seed s draws what generate() does
     # after torch.manual_seed(s)

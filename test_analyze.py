@@ -221,22 +221,50 @@ class RunsCode:
         return os.mkdir, (str(self.marker),)
 
 
-@pytest.mark.parametrize("problem", ["missing", "not a checkpoint", "no model_args", "runs code"])
-def test_bad_input_is_one_line_and_an_error(tmp_path, problem):
-    path, marker = tmp_path / "ckpt.pt", tmp_path / "code_ran"
-    if problem == "not a checkpoint":
+BAD_INPUT = ["missing", "empty", "garbage", "truncated", "a list", "no model_args", "runs code",
+             "a folder without checkpoints", "/dev/zero", "--layer=99"]
+
+
+@pytest.mark.parametrize("problem", BAD_INPUT)
+def test_bad_input_is_one_line_and_an_error_and_leaves_nothing_behind(tmp_path, problem):
+    """Every way a checkpoint can be wrong ends analyze.py in one line naming it, before --out_dir,
+    not there yet, is made: nothing is left behind, and no code in the file runs."""
+    path, marker, out_dir = tmp_path / "ckpt.pt", tmp_path / "code_ran", tmp_path / "figures" / "here"
+    flags = []
+    if problem in ("truncated", "--layer=99"):
+        save_checkpoint(tmp_path / "whole" / "ckpt.pt")
+        whole = (tmp_path / "whole" / "ckpt.pt").read_bytes()
+        path.write_bytes(whole[:len(whole) // 2] if problem == "truncated" else whole)
+        flags = ["--layer=99"] if problem == "--layer=99" else []
+    elif problem == "empty":
+        path.write_bytes(b"")
+    elif problem == "garbage":
         path.write_text("hello")
+    elif problem == "a list":
+        torch.save([1, 2, 3], path)
     elif problem == "no model_args":
         torch.save({"model": GPT(TINY).state_dict()}, path)
     elif problem == "runs code":
         torch.save({"model_args": asdict(TINY), "model": RunsCode(marker)}, path)
-    result = run_cli(path)
-    assert result.returncode != 0
-    assert result.stderr.count("\n") == 1 and result.stderr.startswith(f"{path}: ")
-    assert not marker.exists()
+    elif problem == "a folder without checkpoints":
+        path = tmp_path / "empty_folder"
+        path.mkdir()
+    elif problem == "/dev/zero":
+        path = Path("/dev/zero")
+    with pytest.raises(SystemExit) as exit:
+        analyze.main([str(path), f"--out_dir={out_dir}", *flags])
+    message = exit.value.code
+    assert isinstance(message, str) and "\n" not in message and message.startswith(f"{path}: "), message
+    assert not (tmp_path / "figures").exists() and not marker.exists()
     if problem == "runs code":  # which it does, loaded without weights_only
         torch.load(path, weights_only=False)
         assert marker.exists()
+
+
+def test_bad_input_from_the_command_line_is_one_line_on_stderr(tmp_path):
+    result = run_cli(tmp_path / "missing.pt")
+    assert result.returncode == 1 and result.stderr.count("\n") == 1
+    assert result.stderr.startswith(f"{tmp_path / 'missing.pt'}: ")
 
 
 def test_rank_energy_is_the_share_of_the_heads_deviation_each_rank_keeps():

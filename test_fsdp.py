@@ -63,7 +63,7 @@ def flags(**overrides):
 
 
 def fp32_newton_schulz(monkeypatch):
-    monkeypatch.setattr(hardware, "cpu_has_bf16", lambda: False)
+    monkeypatch.setattr(hardware, "cpu_bf16_unit", lambda: None)
 
 
 def muon_steps(sharded):
@@ -97,7 +97,7 @@ def planned_and_measured(fsdp, checkpointed, world_size):
                                                micro_batch_size=4, fsdp=fsdp,
                                                checkpoint_activations=checkpointed))
     micro = cfg.batch_size // world_size
-    machine = plan.Machine("float32", hardware.native_dtype("cpu")[0], fused_adamw=False)
+    machine = plan.Machine("float32", hardware.precision("newton_schulz", "cpu")[0], fused_adamw=False)
     planned = plan.memory(model_config, cfg, world_size, micro, fsdp, checkpointed, machine)["peak"]
     return planned, plan.measured_peak(model_config, cfg, torch.device("cpu"), world_size, micro, "float32")
 

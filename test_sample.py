@@ -40,14 +40,24 @@ def model(ckpt):
     return checkpoint.load_checkpoint(ckpt, "cpu")[1].eval()
 
 
-def run(capsys, ckpt, *args):
-    """sample.py's samples and its last line."""
+def run(capsys, ckpt, *args, read_before=False):
+    """sample.py's samples and its last line, after its first, the precision's (unless the test has
+    read it already: read_before)."""
     code = sample.main([str(ckpt), "--device=cpu", f"--max_new_tokens={NEW}", *args])
     out, err = capsys.readouterr()
     assert code == 0 and err == ""
+    if not read_before:
+        first, out = without_precision_line(out)
     *samples, last = out.split(SEPARATOR)
     assert last.endswith("\n") and last.count("\n") == 1
     return samples, last
+
+
+def without_precision_line(out):
+    """(sample.py's first line, what follows it), the first line checked to be the precision's."""
+    first, out = out.split("\n", 1)
+    assert re.fullmatch(r"precision: (float32|bfloat16|float16) weights and KV cache \(.+\)", first), first
+    return first, out
 
 
 def reference(model, prompt, max_new_tokens=NEW, **kwargs):
@@ -118,7 +128,8 @@ def test_end_of_text_ends_a_sample(capsys, monkeypatch, ckpt):
 def test_a_character_split_over_byte_tokens_prints_whole_once_drawn(capsys, monkeypatch, ckpt):
     printed = []  # what sample.py has printed by each draw
     fake_stream(monkeypatch, [*"é€🐍".encode(), 0xE2], lambda: printed.append(capsys.readouterr().out))
-    samples = run(capsys, ckpt, "--prompt=ü")[0]
+    samples = run(capsys, ckpt, "--prompt=ü", read_before=True)[0]
+    printed[0] = without_precision_line(printed[0])[1]
     assert printed == ["ü", "", "é", "", "", "€", "", "", "", "🐍"]
     assert samples == ["\ufffd"]  # a lone first byte that no more bytes complete, when the sample ends
 
@@ -192,9 +203,9 @@ def bad_inputs(ckpt, tmp_path):
 
 def test_auto_dtype_is_the_precision_policy_unless_the_run_chose_float32(ckpt):
     saved = torch.load(ckpt, weights_only=True)
-    assert sample.decoding_dtype(saved, torch.device("cpu")) == torch.float32
+    assert sample.decoding_dtype(saved, torch.device("cpu"))[0] == torch.float32
     saved["config"]["dtype"] = "auto"
-    assert sample.decoding_dtype(saved, torch.device("cpu")) == hardware.native_dtype("cpu")[0]
+    assert sample.decoding_dtype(saved, torch.device("cpu")) == hardware.precision("decode", "cpu")
 
 
 def exit_code(argv):
@@ -233,7 +244,8 @@ def test_a_prompt_that_is_not_utf8_is_its_bytes_to_the_byte_tokenizer(capsys, ck
     result = subprocess.run([sys.executable, "sample.py", str(ckpt), b"--prompt=def \xff", "--temperature=0",
                              f"--max_new_tokens={NEW}", "--device=cpu"], cwd=REPO, capture_output=True,
                             timeout=60)
-    assert result.returncode == 0 and result.stdout.decode().split(SEPARATOR)[:-1] == from_file
+    assert result.returncode == 0
+    assert without_precision_line(result.stdout.decode())[1].split(SEPARATOR)[:-1] == from_file
 
 
 def test_a_temperature_too_small_for_floating_point_is_greedy(capsys, ckpt):

@@ -162,7 +162,7 @@ def test_schedule_and_optimizers():
     # --ns_dtype pins Newton-Schulz's precision (config/demo.py: fp32 on every CPU); auto follows the device
     for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
         assert train.configure_optimizers(model, train.TrainConfig(ns_dtype=name))[0].ns_dtype == dtype
-    assert train.configure_optimizers(model, cfg)[0].ns_dtype == hardware.native_dtype("cpu")[0]
+    assert train.configure_optimizers(model, cfg)[0].ns_dtype == hardware.precision("newton_schulz", "cpu")[0]
     assert train.parse_args(["config/demo.py", "config/demo_deep.py"])[1].ns_dtype == "float32"
     with pytest.raises(ValueError, match="ns_dtype"):
         train.TrainConfig(ns_dtype="float16")
@@ -231,16 +231,6 @@ def test_muon_in_fp32_matches_a_float64_reference():
         # the iteration amplifies fp32 rounding (its polynomial's slope reaches 3.4 near 0): 1e-4 of a
         # step per step, against the bf16 iteration's 3e-2
         assert (p.double() - W).abs().max() < 1e-4 * step_size * steps < (W - w).abs().max()
-
-
-def test_native_dtype_is_fp32_where_bf16_would_be_emulated(monkeypatch):
-    monkeypatch.setattr(hardware, "cpu_has_bf16", lambda: False)
-    assert hardware.native_dtype("cpu")[0] == torch.float32
-    assert muon.Muon([torch.nn.Parameter(torch.ones(2, 2))]).ns_dtype == torch.float32
-    monkeypatch.setattr(hardware, "cpu_has_bf16", lambda: True)
-    assert hardware.native_dtype("cpu")[0] == torch.bfloat16
-    assert muon.Muon([torch.nn.Parameter(torch.ones(2, 2))]).ns_dtype == torch.bfloat16
-    assert hardware.native_dtype("meta")[0] == torch.float32
 
 
 # a shape group of 1, of 3 and of 4 matrices: over two ranks, one rank idle, one padded, one even split

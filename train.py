@@ -35,9 +35,9 @@ import configurator
 from checkpoint import (EVALS, WriteError, checkpoint_dict, claim_out_dir, load_checkpoint,
                         load_resume_checkpoint, log, log_eval, restore, save_checkpoint, start_log)
 from configurator import SEED_LIMIT, ConfigError
-from convert import distill_loss, load_init_checkpoint
+from convert import CALIBRATION_TOKENS, distill_loss, load_init_checkpoint
 from diversity import weight_ranks
-from hardware import PRECISION_NAMES, check_device, native_dtype, peak_flops, pick_device
+from hardware import PRECISION_NAMES, check_device, forced_precision, peak_flops, pick_device, precision
 from model import GPT, GPTConfig
 from muon import Muon
 from parallel import gathered, no_sync, parallelize, process_group, world
@@ -53,11 +53,8 @@ class TrainConfig:
     overwrite: bool = False  # a fresh run into an out_dir that holds a run: start over, replacing its files
     init_from: str = ""  # a new run whose weights come from this checkpoint, attention converted to --attn
     # --init_from converts each layer's keys and values to be closest on the attention inputs that
-    # the checkpoint's model sees in this many training tokens (attention_input_covariances); 0:
-    # closest in the weights alone. 65,536 are 32 of the paper's 2048-token sequences, ~85 tokens
-    # a dimension of the 128M model's 768-wide input (SVD-LLM calibrates Llama-7B's 4096 on
-    # 256 x 2048, ~128), for one forward pass over two of its training steps' tokens.
-    calibration_tokens: int = 65_536
+    # the checkpoint's model sees in this many training tokens; 0: closest in the weights alone
+    calibration_tokens: int = CALIBRATION_TOKENS
     # --init_from: the loss is (1 - distill) CE + distill KL(p_source || p_model) per token, p_source
     # the next-token distribution of the checkpoint's model, frozen; 0: CE alone. Each step costs a
     # forward pass more (1.3x on the demo's CPU): at equal time 0.5 with 46 steps beat CE with 60
@@ -87,8 +84,8 @@ class TrainConfig:
     # system
     seed: int = 0
     device: str = "auto"  # auto: cuda, then mps, then cpu
-    dtype: str = "auto"  # bfloat16 (autocast) or float32; auto: native_dtype's choice for the device
-    ns_dtype: str = "auto"  # Muon's Newton-Schulz: bfloat16 or float32; auto: native_dtype's, as dtype
+    dtype: str = "auto"  # bfloat16 (autocast) or float32; auto: hardware.precision's for training here
+    ns_dtype: str = "auto"  # Muon's Newton-Schulz: bfloat16 or float32; auto: hardware.precision's
     compile: bool | None = None  # torch.compile; None: on CUDA only
     # under torchrun, shard weights, gradients and optimizer states over the processes (FSDP2)
     fsdp: bool = False
@@ -150,6 +147,7 @@ def main(argv=None):
         if cfg.fsdp and windows % world_size:
             raise ConfigError(f"--fsdp: the {windows} validation windows of --eval_tokens={cfg.eval_tokens} "
                               f"do not split evenly over {world_size} processes")
+        forced_precision()
         with claim_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite) if rank == 0 else nullcontext():
             data = load_data(cfg, model_config)
             device = pick_device(cfg.device, local_rank)
@@ -179,7 +177,7 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
     (--distill) if given; the exit code."""
     meta, batches, val_tokens, bytes_per_token = data
     is_main = rank == 0
-    dtype, why = run_dtype(cfg, device), native_dtype(device)[1]
+    dtype = run_dtype(cfg, device)
     compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
     if device.type == "cuda":
@@ -202,8 +200,8 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
     if is_main:
         start_log(out_dir, step if resumed is not None else None)
         muon = cfg.optimizer == "muon"
-        ns = f", Newton-Schulz in {PRECISION_NAMES[optimizers[0].ns_dtype]}" if muon else ""
-        print(f"precision: {'bf16 autocast' if dtype == 'bfloat16' else 'fp32'}{ns}: {why}", flush=True)
+        print(f"precision: {precision_line(cfg, device, dtype, optimizers[0].ns_dtype if muon else None)}",
+              flush=True)
         n_params = raw_model.get_num_params()
         parallel = "FSDP" if cfg.fsdp else "DDP" if world_size > 1 else "one process"
         recompute = ", activation checkpointing" if cfg.checkpoint_activations else ""
@@ -361,8 +359,17 @@ def backward(train_model, x, y, micro_batch, autocast, device, teacher=None, dis
 
 
 def run_dtype(cfg, device):
-    """The run's --dtype, "bfloat16" (autocast) or "float32"; auto: native_dtype's for the device."""
-    return cfg.dtype if cfg.dtype != "auto" else str(native_dtype(device)[0]).removeprefix("torch.")
+    """The run's --dtype, "bfloat16" (autocast) or "float32"; auto: the precision policy's for training."""
+    return cfg.dtype if cfg.dtype != "auto" else str(precision("train", device)[0]).removeprefix("torch.")
+
+
+def precision_line(cfg, device, dtype, ns_dtype):
+    """What the run computes in and why: for each use, the policy's reason, or the flag that set it."""
+    uses = [("bf16 autocast" if dtype == "bfloat16" else "fp32", "train", cfg.dtype, "--dtype")]
+    if ns_dtype is not None:
+        uses.append((f"Newton-Schulz in {PRECISION_NAMES[ns_dtype]}", "newton_schulz", cfg.ns_dtype, "--ns_dtype"))
+    return ", ".join(f"{what} ({precision(use, device)[1] if value == 'auto' else flag})"
+                     for what, use, value, flag in uses)
 
 
 @torch.no_grad()

@@ -1,0 +1,123 @@
+"""The precision policy (hardware.precision) and the scripts under each precision it can choose.
+The policy's tests set the CPU class instead of reading it, so that they pass on every machine; the
+scripts' tests force bf16 and fp32 in turn (LRKV_PRECISION), so that a machine of any class runs
+them as a machine of every other class would: train.py trains, resumes exactly and converts at the
+checkpoint's loss, sample.py's greedy sample is generate()'s, analyze.py draws the run and bench.py
+measures it, each saying the precision in its first line. Where bf16 is emulated (an AVX2 CPU) it
+is slow, so the model is tiny."""
+
+import json
+import re
+
+import pytest
+import torch
+
+import analyze
+import bench
+import configurator
+import hardware
+import muon
+import sample
+import train
+from checkpoint import load_checkpoint
+from test_sample import SEPARATOR, reference
+from test_train import data_dir, flags, records  # noqa: F401 (data_dir is a fixture)
+
+@pytest.mark.parametrize("unit", hardware.CPU_POLICY)
+def test_the_policy_gives_each_use_its_classs_choice_and_fp32_where_bf16_is_emulated(unit, monkeypatch):
+    """Machine-independent: the CPU class is set, not read."""
+    monkeypatch.delenv(hardware.FORCE, raising=False)
+    monkeypatch.setattr(hardware, "cpu_bf16_unit", lambda: unit)
+    for use in hardware.USES:
+        dtype, why = hardware.precision(use, "cpu")
+        assert dtype == hardware.CPU_POLICY[unit][use] and why.startswith("this CPU (")
+    muon_ns = muon.Muon([torch.nn.Parameter(torch.ones(2, 2))]).ns_dtype
+    assert muon_ns == hardware.CPU_POLICY[unit]["newton_schulz"]
+    if unit is None:  # bf16 emulated: no use may take it
+        assert set(hardware.CPU_POLICY[unit].values()) == {torch.float32}
+    assert hardware.precision("train", "meta")[0] == torch.float32
+
+
+def test_lrkv_precision_forces_every_use_and_anything_else_is_one_line(monkeypatch):
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        monkeypatch.setenv(hardware.FORCE, name)
+        for use in hardware.USES:
+            assert hardware.precision(use, "cpu") == (dtype, f"LRKV_PRECISION={name}")
+    monkeypatch.setenv(hardware.FORCE, "float16")
+    with pytest.raises(configurator.ConfigError, match="^LRKV_PRECISION=float16: must be one of bf16, fp32"):
+        hardware.precision("train", "cpu")
+
+
+@pytest.mark.parametrize("flags, cap, unit", [
+    ({"avx2"}, "", None),
+    ({"avx512_bf16", "amx_bf16"}, "", "AMX"),
+    ({"avx512_bf16", "amx_bf16"}, "AVX512_CORE_BF16", "AVX512-BF16"),
+    ({"avx512_bf16", "amx_bf16"}, "avx512_core_amx", "AMX"),
+    ({"avx512_bf16"}, "", "AVX512-BF16"),
+    ({"avx512_bf16"}, "AVX512_CORE", None),
+    ({"avx512_bf16", "amx_bf16"}, "AVX2", None),
+    ({"bf16"}, "", "AVX512-BF16"),  # Arm's BF16 extension
+])
+def test_the_cpu_class_is_what_the_cpu_has_and_onednn_may_use(flags, cap, unit, monkeypatch):
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(hardware, "onednn_has_bf16", lambda: True)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    assert hardware.cpu_bf16_unit() == unit
+    monkeypatch.setattr(hardware, "onednn_has_bf16", lambda: False)  # a oneDNN built without bf16
+    assert hardware.cpu_bf16_unit() is None
+
+
+# the precision line each script prints first, for a forced precision
+TRAIN_LINE = {
+    "bf16": "precision: bf16 autocast (LRKV_PRECISION=bf16), Newton-Schulz in bf16 (LRKV_PRECISION=bf16)",
+    "fp32": "precision: fp32 (LRKV_PRECISION=fp32), Newton-Schulz in fp32 (LRKV_PRECISION=fp32)",
+}
+
+
+@pytest.mark.parametrize("forced", ["bf16", "fp32"])
+def test_the_scripts_train_resume_convert_sample_analyze_and_bench_in_a_forced_precision(
+        forced, data_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(hardware.FORCE, forced)
+    dtype = hardware.FORCED[forced]
+    tiny = dict(data_dir=data_dir, max_steps=4, eval_interval=2, attn="mha")
+    full, split = tmp_path / "full", tmp_path / "split"
+    assert train.main(flags(out_dir=full, **tiny)) == 0
+    assert capsys.readouterr().out.splitlines()[0] == TRAIN_LINE[forced]
+    assert train.main(flags(out_dir=split, stop_after=2, **tiny)) == 0
+    assert train.main(flags(out_dir=split, **tiny) + ["--resume"]) == 0
+    assert records(split, "loss") == records(full, "loss")  # in bf16 as in fp32: the same operations
+
+    # at step 0 an identity conversion is the checkpoint's loss exactly, and a full-rank LRKV (the
+    # same heads, W_shared + U_h B_h^T) the same up to rounding in the eval's dtype: the two compute
+    # each key through different matmuls, whose roundings in bf16 differ by up to ~2^-8 of each logit
+    expected = torch.load(full / "ckpt.pt", weights_only=True)["val_loss"]
+    lrkv_tol = 5e-2 if dtype == torch.bfloat16 else 1e-5
+    for name, attn, tol in (("same", dict(attn="mha"), 0.0),
+                            ("lrkv", dict(attn="lrkv", lrkv_rank=16), lrkv_tol)):
+        out = tmp_path / name
+        assert train.main(flags(**{**tiny, **attn, "max_steps": 1, "eval_interval": 1}, out_dir=out,
+                                init_from=full / "ckpt.pt", calibration_tokens=0)) == 0
+        val = records(out, "val_loss")[0]
+        assert abs(val - expected) <= tol, (name, val, expected)
+    capsys.readouterr()
+
+    ckpt_path = full / "ckpt.pt"
+    assert sample.main([str(ckpt_path), "--device=cpu", "--prompt=def ", "--temperature=0",
+                        "--max_new_tokens=12"]) == 0
+    first, text = capsys.readouterr().out.split("\n", 1)
+    name = str(dtype).removeprefix("torch.")
+    assert first == f"precision: {name} weights and KV cache (LRKV_PRECISION={forced})"
+    model = load_checkpoint(ckpt_path, "cpu")[1].to(dtype).eval()
+    for cache in (True, False):  # the cached and the uncached decoding agree in bf16 too
+        assert text.split(SEPARATOR)[0] == reference(model, "def ", 12, temperature=0, use_cache=cache)[0]
+
+    analyze.main([str(ckpt_path), f"--out_dir={tmp_path / 'figures'}"])
+    assert json.loads((tmp_path / "figures" / "analysis.json").read_text())["runs"][0]["attn"] == "mha"
+
+    bench_out = tmp_path / "bench.json"
+    bench.main(["--preset=tiny", "--device=cpu", "--attn=mha,lrkv", "--no-compiled_decode",
+                f"--out={bench_out}"])
+    result = json.loads(bench_out.read_text())
+    assert result["decode"]["dtype"] == str(dtype).removeprefix("torch.")
+    assert result["train"]["ns_dtype"] == forced
+    assert re.search(rf"precision: train {forced} \(LRKV_PRECISION={forced}\)", capsys.readouterr().out)
