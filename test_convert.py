@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import convert
-from model import ATTENTION, GPT
+from model import ATTENTION, GPT, registered
 from test_model import TINY, tiny_model
 
 
@@ -32,7 +32,7 @@ def test_every_conversion_keeps_what_the_mean_keeps_and_is_exact_within_reach(at
 def converts_within_reach(attn, covariances):
     mha = tiny_model("mha").double()
     model = GPT(replace(TINY, attn=attn)).double().eval()
-    if not hasattr(model.blocks[0].attn, "head_kv_weights"):  # a variant that converts gives them back
+    if registered(convert.HEAD_KV_WEIGHTS, model.blocks[0].attn) is None:  # one that converts gives them back
         with pytest.raises(ValueError) as refusal:
             convert.convert(model, mha, covariances)
         assert "\n" not in str(refusal.value)
@@ -44,7 +44,8 @@ def converts_within_reach(attn, covariances):
             assert torch.equal(ours[name], theirs[name]), name
     for layer, (block, source) in enumerate(zip(model.blocks, mha.blocks)):
         C = None if covariances is None else covariances[layer]
-        for got, heads in zip(convert.head_kv_weights(block.attn, attn), source.attn.head_kv_weights()):
+        source_heads = convert.head_kv_weights(source.attn, "mha")
+        for got, heads in zip(convert.head_kv_weights(block.attn, attn), source_heads):
             mean = heads.mean(0, keepdim=True).expand_as(heads)
             assert per_head_error(got, heads, C) <= per_head_error(mean, heads, C) * (1 + 1e-9)
 
