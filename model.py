@@ -52,8 +52,7 @@ def norm(x):
 
 
 def rms(x):
-    """What norm(x) divides x by, norm(x) = x / rms(x)[..., None]: as F.rms_norm, bf16 and fp16 in fp32
-    with fp32's eps (bf16's own, 7.8e-3, would outweigh the mean square of a small key)."""
+    """x / rms(x)[..., None] = norm(x): as F.rms_norm, in fp32 and fp32's eps (bf16's swamps small keys)."""
     x_hi = x.to(torch.promote_types(x.dtype, torch.float32))
     return x_hi.pow(2).mean(-1).add(torch.finfo(x_hi.dtype).eps).sqrt().to(x.dtype)
 
@@ -129,10 +128,9 @@ class Attention(nn.Module):
 
 
 class GroupedQueryAttention(Attention):
-    """GQA: G = config.n_kv_head key/value heads, each shared by H/G consecutive query heads,
-    K_g = X W_g^K, V_g = X W_g^V, head h attending with g = h G // H. MHA (G = H) and MQA (G = 1)
-    change kv_heads alone. It caches what training computes, the keys normalised and rotated:
-    2 G d_h per token; Attention.forward is the whole of its training and decoding."""
+    """GQA: G = config.n_kv_head key/value heads K_g = X W_g^K, V_g = X W_g^V, query head h reading
+    g = h G // H; MHA (G = H) and MQA (G = 1) change kv_heads alone. It caches what training computes
+    (keys normalised and rotated, 2 G d_h per token): Attention.forward is all its math."""
 
     def __init__(self, config, layer):
         super().__init__(config, layer)
@@ -214,10 +212,12 @@ class LowRankKVAttention(Attention):
     def forward(self, x, rope, cache=None):
         if cache is not None:
             return super().forward(x, rope, cache)
+        # x's gradient sums its five projections' in the reverse of this order: a seed's run depends on it
         q = self.queries(x, rope)  # (B, T, H, d_h)
-        k_shared, r_k, k = self.head_keys(x)
-        v = self.values(self.W_shared_v(x), self.residual_factor(self.U_v, x))
-        return self.W_o(self.attend(q, apply_rope(norm(k), rope), v).flatten(2))
+        k_shared, v_shared = self.W_shared_k(x), self.W_shared_v(x)  # (B, T, d_h): X W_shared
+        r_k, r_v = self.residual_factor(self.U_k, x), self.residual_factor(self.U_v, x)  # (B, T, H, r)
+        k = k_shared.unsqueeze(2) + self.residual(r_k, self.B_k)  # (B, T, H, d_h): K_h
+        return self.W_o(self.attend(q, apply_rope(norm(k), rope), self.values(v_shared, r_v)).flatten(2))
 
     def residual_factor(self, U, x):
         """R_h = X U_h of every head, U being U_k or U_v: (B, T, d) -> (B, T, H, r)."""
@@ -262,8 +262,8 @@ class MultiHeadLatentAttention(Attention):
 
         k_h = [c W_up,h^K | Rot(k_R)]        v_h = c W_up,h^V
 
-    q/k heads are d_h + d_R wide. Cache per token: c, the rotated k_R and each head's key RMS, which
-    spares decode.py's step (W_up^K absorbed into the query) applying W_up^K to the cache (+3.1%)."""
+    q/k heads d_h + d_R wide. Cache per token: c, the rotated k_R and each head's key RMS (+3.1%),
+    which spares decode.py's step (W_up^K absorbed into the query) applying W_up^K to the cache."""
 
     def __init__(self, config, layer):
         super().__init__(config, layer, qk_dim=config.head_dim + config.rope_head_dim,
