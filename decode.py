@@ -52,18 +52,16 @@ def reference_step(attn, q, cached, rope, mask):
     the positions that mask allows, applied to the values: (B, 1, H, d_v)."""
     k, v = attn.keys_values(rope, **cached)  # (B, S, G, d_qk), (B, S, G, d_v)
     B, _, H, d_qk = q.shape
-    G = k.size(2)
+    G, S = k.size(2), k.size(1)
     q = q[:, 0].view(B, G, H // G, d_qk)  # query head g H/G + j reads key/value head g
-    scores = torch.einsum("bgjd,bsgd->bgjs", q, k) / math.sqrt(d_qk)
-    if mask is not None:
-        scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-    a = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # (B, G, H/G, S)
+    scores = torch.einsum("bgjd,bsgd->bgjs", q, k).reshape(B, H, S) / math.sqrt(d_qk)
+    a = masked_softmax(scores, mask, q.dtype).view(B, G, H // G, S)
     return torch.einsum("bgjs,bsgd->bgjd", a, v).reshape(B, 1, H, -1)
 
 
 def masked_softmax(scores, mask, dtype):
-    """softmax over the positions (B, H, S) that mask allows: a fixed-shape cache's unwritten
-    positions (rho 0 there, so their scores are inf or nan) get -inf."""
+    """softmax over the positions that mask (None or (1, S)) allows, of scores (B, H, S), in fp32: a
+    fixed-shape cache's unwritten positions (where LRKV's and MLA's rho is 0) get -inf."""
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
