@@ -32,9 +32,8 @@ from matplotlib.ticker import MaxNLocator
 
 from checkpoint import check_writable, load_checkpoint, read_log
 from configurator import ArgumentParser, ConfigError
-from convert import CALIBRATION_TOKENS, attention_input_covariances, head_kv_weights
+from convert import CALIBRATION_TOKENS, attention_input_covariances, head_kv_weights, shared_plus_low_rank
 from diversity import layer_ranks, similarities
-from model import ATTENTION, shared_plus_low_rank
 from prepare_data import TrainBatches, atomic_open, read_shard, shard_paths, write_atomic
 
 
@@ -165,18 +164,33 @@ def source_args(path):
         return None
 
 
+def mla_label(config, peers):
+    # d_c only where it tells the MLA runs apart
+    return f"MLA (d_c={config.kv_lora_rank})" if len({p.kv_lora_rank for p in peers}) > 1 else "MLA"
+
+
+# Each variant's legend label (of its config and the configs of every run of it in the figures) and
+# its runs' order by size, by --attn name, in the paper's legend order (which gives matplotlib's
+# default colours in its figure). A variant not here is labelled by its --attn name, after these.
+LEGEND = {
+    "mha": (lambda config, peers: "Standard MHA", lambda config: 0),
+    "lrkv": (lambda config, peers: f"LRKV (r={config.lrkv_rank})", lambda config: config.lrkv_rank),
+    "mqa": (lambda config, peers: "MQA", lambda config: 0),
+    "mla": (mla_label, lambda config: config.kv_lora_rank),
+    "gqa": (lambda config, peers: f"GQA ({config.n_kv_head} KV heads)", lambda config: config.n_kv_head),
+}
+
+
 def legend_key(config):
-    """The paper's legend order, which gives matplotlib's default colours in its figure: each
-    variant's place, then its runs by size (its legend_key), a variant without one after them."""
-    variant = ATTENTION[config.attn]
-    return variant.legend_key(config) if hasattr(variant, "legend_key") else (math.inf, 0)
+    """Where a run sorts: its variant's place in LEGEND, then by size; a variant not there after them."""
+    if config.attn not in LEGEND:
+        return len(LEGEND), config.attn, 0
+    return list(LEGEND).index(config.attn), config.attn, LEGEND[config.attn][1](config)
 
 
 def variant_label(config, peers):
-    """A variant's own legend label (its legend_label, given the configs of every run of it in the
-    figures), or its --attn name."""
-    variant = ATTENTION[config.attn]
-    return variant.legend_label(config, peers) if hasattr(variant, "legend_label") else config.attn
+    """A variant's own legend label (LEGEND's, given the configs of every run of it), or its --attn name."""
+    return LEGEND[config.attn][0](config, peers) if config.attn in LEGEND else config.attn
 
 
 def colors(labels):

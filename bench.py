@@ -17,9 +17,10 @@ MHA's. At the first batch size and context, generate() with and without the cach
 the cache buys. With --random_caches, the caches are filled with random entries instead of a
 prefill (a step's cost does not depend on the values it reads, and a 16 x 8,192 prefill takes
 minutes on a CPU), and generate() is left out. Decoding holds weights and cache alike in the
-policy's dtype for decoding, as a server would (autocast would re-cast every weight at every token). Eager,
+policy's dtype for decoding, as a server would (autocast would re-cast every weight at every
+token). Eager,
 the caches grow by one position a step and on a GPU every step pays its kernel launches;
-compiled, the step runs on fixed shapes (fast_decode.py: the whole cache under a position mask),
+compiled, the step runs on fixed shapes (decode.py: the whole cache under a position mask),
 as one CUDA graph on a GPU; the seconds its compiling takes are reported apart.
 
     python bench.py --preset=cpu
@@ -55,7 +56,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from checkpoint import check_writable
 from configurator import ArgumentParser, ConfigError
-from fast_decode import compiled_step, fix
+from decode import ExactKVCache, compiled_step, exact_step, fix
 from hardware import DEVICES, PRECISION_NAMES, USES, peak_flops, pick_device, precision
 from model import ATTENTION, GPT, GPTConfig
 from prepare_data import atomic_open
@@ -254,6 +255,7 @@ def bench_decode(configs, preset, device, dtype, compiled, measured=lambda rows:
                 token = fill_randomly(caches, prompt)
             else:
                 token = model(prompt, caches=caches)[0][:, -1:].argmax(-1)
+            caches = [ExactKVCache(cache) for cache in caches]  # each step through its variant's own
             for _ in range(DECODE_WARMUP):
                 token = model(token, caches=caches)[0].argmax(-1)
             state[attn] = (caches, caches[0].pos, token, [], [])
@@ -292,7 +294,8 @@ def bench_decode(configs, preset, device, dtype, compiled, measured=lambda rows:
         seconds = {}
         for use_cache, new in ((True, 1), (True, n), (False, n)):
             t0 = clock(device)
-            model.generate(prompt, new, temperature=0, use_cache=use_cache)
+            step = exact_step if use_cache else None
+            model.generate(prompt, new, temperature=0, use_cache=use_cache, step=step)
             seconds[use_cache, new] = clock(device) - t0
         cached, uncached = 1000 * seconds[True, n] / n, 1000 * seconds[False, n] / n
         step = 1000 * (seconds[True, n] - seconds[True, 1]) / (n - 1)

@@ -2,9 +2,11 @@
 A new run from a trained model (train.py --init_from): its weights converted to another attention
 variant, calibrated on the inputs its attention sees, and optionally distilled from it.
 
-Every layer converts through the two methods a variant defines after its math (model.py):
-head_kv_weights, the source's H per-head key and value projections, and load_head_kv_weights,
-which builds the target's keys and values closest to them. Everything else carries over as it is:
+Every layer converts through two functions that a variant registers here by class (a subclass
+inherits its parent's, looked up along the MRO, unless it registers its own):
+HEAD_KV_WEIGHTS[cls](attn) -> (W_K, W_V), the source's H per-head key and value projections, and
+LOAD_HEAD_KV_WEIGHTS[cls](attn, W_K, W_V, C), which builds the target's keys and values closest to
+them. A variant with neither is refused in one line. Everything else carries over as it is:
 embeddings, queries, output projections and MLPs. docs/convert.md has the results.
 """
 
@@ -15,7 +17,7 @@ import torch.nn.functional as F
 
 from checkpoint import load_checkpoint
 from configurator import ConfigError
-from model import GPT
+from model import GPT, GroupedQueryAttention, LowRankKVAttention, MultiHeadLatentAttention, registered
 
 # train.py --init_from's default calibration (its --calibration_tokens), which analyze.py's
 # rank_energy.png sees the heads through too: 65,536 tokens are 32 of the paper's 2048-token
@@ -27,9 +29,10 @@ CALIBRATION_TOKENS = 65_536
 def head_kv_weights(attn, name):
     """attn's per-head projections (W_K, W_V), each (H, d_h, d) in nn.Linear's layout: head h's key
     is x @ W_K[h].T before the QK norm and RoPE, its value x @ W_V[h].T. name: its --attn."""
-    if not hasattr(attn, "head_kv_weights"):
+    heads = registered(HEAD_KV_WEIGHTS, attn)
+    if heads is None:
         raise ValueError(f"--attn={name} gives no per-head key and value projections to convert from")
-    return attn.head_kv_weights()
+    return heads(attn)
 
 
 def load_head_kv_weights(attn, name, W_K, W_V, C=None):
@@ -38,9 +41,105 @@ def load_head_kv_weights(attn, name, W_K, W_V, C=None):
     inputs x this layer's attention sees (uncentred: the projections have no bias), which makes
     "close" mean close on those inputs: an error E of a head's projection costs
     E||E x||^2 = ||E C^(1/2)||_F^2 there. A variant uses C where it changes its answer."""
-    if not hasattr(attn, "load_head_kv_weights"):
+    load = registered(LOAD_HEAD_KV_WEIGHTS, attn)
+    if load is None:
         raise ValueError(f"--attn={name} cannot be built from per-head key and value projections")
-    attn.load_head_kv_weights(W_K, W_V, C)
+    load(attn, W_K, W_V, C)
+
+
+# GQA, MHA and MQA
+
+def grouped_head_kv_weights(attn):
+    H, G, d_h = attn.n_head, attn.n_kv_head, attn.head_dim
+    return tuple(W.weight.view(G, d_h, -1).repeat_interleave(H // G, dim=0) for W in (attn.W_k, attn.W_v))
+
+
+def load_grouped_head_kv_weights(attn, W_K, W_V, C=None):
+    """Each key/value head is the mean of its group's H/G heads, as Ainslie et al. (2023)
+    convert MHA to GQA; with G = H that is the identity. C changes nothing: for any C the
+    mean W of a group's heads W_h minimises sum_h ||(W_h - M) C^(1/2)||_F^2, which is
+    sum_h ||(W_h - W) C^(1/2)||_F^2 + (H/G) ||(W - M) C^(1/2)||_F^2 (the cross term holds
+    sum_h (W_h - W) = 0)."""
+    G, d_h = attn.n_kv_head, attn.head_dim
+    for W, heads in ((attn.W_k, W_K), (attn.W_v, W_V)):
+        W.weight.copy_(heads.view(G, -1, d_h, heads.size(-1)).mean(1).flatten(0, 1))
+
+
+# LRKV
+
+def lrkv_head_weights(attn, W_shared, U, factor):
+    """Every head's W_h = W_shared + U_h B_h^T of one half, in nn.Linear's layout, W_h^T: (H, d_h, d)."""
+    H, d_h, r = attn.n_head, attn.head_dim, attn.lrkv_rank
+    U_t = U.weight.view(H, r, -1)  # (H, r, d)
+    return W_shared.weight + torch.einsum("hdr,hrc->hdc", factor.view(H, d_h, r), U_t)
+
+
+def lrkv_head_kv_weights(attn):
+    return (lrkv_head_weights(attn, attn.W_shared_k, attn.U_k, attn.B_k),
+            lrkv_head_weights(attn, attn.W_shared_v, attn.U_v, attn.B_v))
+
+
+def load_lrkv_head_kv_weights(attn, W_K, W_V, C=None):
+    """W_shared = the heads' mean, U_h B_h^T = the rank-r truncated SVD of W_h - W_shared, or
+    with C its whitened truncated SVD, the closest on the inputs (shared_plus_low_rank), for
+    keys and values alike. With r = d_h it is every head exactly, with or without C. The mean
+    stays the shared part with C too: it is the optimal single projection in the norm of any C
+    (load_grouped_head_kv_weights), and the residuals take what it misses."""
+    load_lrkv_head_weights(attn, W_K, attn.W_shared_k, attn.U_k, attn.B_k, C)
+    load_lrkv_head_weights(attn, W_V, attn.W_shared_v, attn.U_v, attn.B_v, C)
+
+
+def load_lrkv_head_weights(attn, heads, W_shared, U, factor, C):
+    """One half of load_lrkv_head_kv_weights, heads (H, d_h, d) in nn.Linear's layout."""
+    C = None if C is None else C.to(heads.device, torch.float64)
+    mean, B_h, U_t, _ = shared_plus_low_rank(heads.double(), attn.lrkv_rank, C)
+    W_shared.weight.copy_(mean)
+    U.weight.copy_(U_t.flatten(0, 1))
+    factor.copy_(B_h.flatten(0, 1))
+
+
+def shared_plus_low_rank(W, r, C=None):
+    """H per-head projections as W_h = W_shared + U_h B_h^T, all in nn.Linear's layout: W (H, d_h, d)
+    holds the W_h^T; returns W_shared^T (d_h, d), their mean, and each head's rank-r residual as
+    B (H, d_h, r) and U^T (H, r, d), B_h U_h^T the closest to its deviation D_h = W_h^T - W_shared^T
+    in one of two norms; also the singular values S (H, d_h) of the D_h in that norm, largest first.
+    - Without C, Frobenius: the residual is the truncated SVD of D_h (Eckart-Young).
+    - With C, the (d, d) covariance E[x x^T] of the heads' inputs, the error on those inputs,
+      E||(D_h - B_h U_h^T) x||^2 = ||(D_h - B_h U_h^T) C^(1/2)||_F^2: the residual is the truncated SVD
+      P_r S_r Q_r^T of D_h C^(1/2) mapped back by C^(-1/2) (whitened, as SVD-LLM, Palu and CARE
+      compress k_proj and v_proj), and it misses by the singular values of D_h C^(1/2) it drops.
+    Both are P_r P_r^T D_h, P_r the top r left singular vectors of D_h as the norm sees it
+    (P_r S_r Q_r^T C^(-1/2) = P_r P_r^T D_h C^(1/2) C^(-1/2)), which needs no inverse of C. A
+    singular C, with directions the inputs never take, has none; along such a direction every
+    residual is as good as another on the inputs, and P_r P_r^T D_h is the one closest to D_h (it
+    keeps D_h's part in the r output directions kept), so r = d_h stays exact, where a
+    pseudo-inverse would drop that part and an eigenvalue floor would change the answer.
+    Each singular value of the residual is split evenly, sqrt into both factors: their product
+    does not care, and balanced factors have equal norms, so an optimiser that uptrains them
+    moves each by the same share of itself."""
+    mean = W.mean(0)
+    D = W - mean  # (H, d_h, d)
+    if C is not None:
+        eigenvalues, V = torch.linalg.eigh(C)
+        # a dead direction's eigenvalue 0 comes out of eigh as +-rounding: sqrt needs it >= 0
+        seen = D @ (V * eigenvalues.clamp(min=0).sqrt() @ V.mT)  # (H, d_h, d): D_h C^(1/2)
+    P, S, _ = torch.linalg.svd(D if C is None else seen, full_matrices=False)  # (H, d_h, d_h), (H, d_h)
+    P_r = P[..., :r]
+    # P_r^T D_h = Y sigma Z^T: (H, r, r), (H, r), (H, r, d)
+    Y, sigma, Zt = torch.linalg.svd(P_r.mT @ D, full_matrices=False)
+    root = sigma.sqrt()
+    return mean, P_r @ Y * root[:, None, :], root[..., None] * Zt, S
+
+
+def refuse_mla(attn, W_K, W_V, C=None):
+    # MHA2MLA (Ji et al., 2025) first uptrains the source with RoPE on a few frequencies only
+    raise ValueError("MLA is not converted to: its keys' d_h position-free dims need keys that RoPE "
+                     "leaves alone, and per-head keys rotate every dim (docs/convert.md)")
+
+
+HEAD_KV_WEIGHTS = {GroupedQueryAttention: grouped_head_kv_weights, LowRankKVAttention: lrkv_head_kv_weights}
+LOAD_HEAD_KV_WEIGHTS = {GroupedQueryAttention: load_grouped_head_kv_weights,
+                        LowRankKVAttention: load_lrkv_head_kv_weights, MultiHeadLatentAttention: refuse_mla}
 
 
 @torch.no_grad()

@@ -15,22 +15,35 @@ import numpy as np
 import torch
 
 from convert import head_kv_weights
-from model import GPT
+from model import GPT, MultiHeadLatentAttention, registered
 
 
 @torch.no_grad()
 def head_qk_weights(model):
     """Per layer, (Wq, Wk), each (H, d, d_qk): head h's query is x @ Wq[h] and its key x @ Wk[h],
-    before the QK norm and RoPE. The keys are a variant's head_key_weights where it defines them
-    (MLA: its latent norm taken as identity), else its per-head projections (head_kv_weights)."""
+    before the QK norm and RoPE. The keys are a variant's HEAD_KEY_WEIGHTS where it registers them
+    (by class, as convert.py's), else its per-head projections (convert.head_kv_weights)."""
     weights = []
     for block in model.blocks:
         attn = block.attn
         Wq = attn.W_q.weight.view(attn.n_head, attn.qk_dim, -1).transpose(1, 2)
-        Wk = (attn.head_key_weights() if hasattr(attn, "head_key_weights")
-              else head_kv_weights(attn, model.config.attn)[0].mT)
+        key_weights = registered(HEAD_KEY_WEIGHTS, attn)
+        Wk = key_weights(attn) if key_weights else head_kv_weights(attn, model.config.attn)[0].mT
         weights.append((Wq.detach().clone(), Wk.detach().clone()))
     return weights
+
+
+def mla_head_key_weights(attn):
+    """(H, d, d_h + d_R): head h's key is x @ Wk[h] before the QK norm and RoPE, the latent's norm
+    taken as identity: MLA gives no per-head projections to convert."""
+    W_up_k = attn.W_up_k.weight.view(attn.n_head, attn.head_dim, attn.kv_lora_rank)
+    Wk_nope = torch.einsum("cx,hnc->hxn", attn.W_down.weight, W_up_k)
+    Wk_rope = attn.W_kr.weight.t().expand(attn.n_head, -1, -1)
+    return torch.cat((Wk_nope, Wk_rope), dim=-1)
+
+
+# The key weights (H, d, d_qk) of a variant whose keys are not its per-head projections, by class
+HEAD_KEY_WEIGHTS = {MultiHeadLatentAttention: mla_head_key_weights}
 
 
 def head_similarity(Wq, Wk):

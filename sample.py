@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from fast_decode import compiled_decode
+from decode import compiled_decode, exact_step
 from prepare_data import get_tokenizer
 from checkpoint import load_checkpoint
 from configurator import ArgumentParser, ConfigError, seed
@@ -146,8 +146,9 @@ def main(argv=None):
         # byte tokens can split a character: the decoder holds its first bytes until it is whole
         text = codecs.getincrementaldecoder("utf-8")(errors="replace")
         print(text.decode(tok.decode_bytes(prompt)), end="", flush=True)
+        step = None if args.no_cache else compiled_decode if args.compile else exact_step
         for token in model.stream(idx, args.max_new_tokens, args.temperature, args.top_k, not args.no_cache,
-                                  compiled_decode if args.compile else None, tok.vocab_size):
+                                  step, tok.vocab_size):
             drawn += 1
             if token.item() == tok.eot_id:
                 break  # the document ends here: the tokens after it would start an unrelated one

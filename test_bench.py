@@ -43,7 +43,7 @@ def test_tiny_bench_writes_a_row_per_variant(tmp_path):
     assert result["decode"]["batch_sizes"] == list(bench.PRESETS["tiny"]["decode_batches"]) == [2]
     assert result["decode"]["contexts"] == list(bench.PRESETS["tiny"]["contexts"])
     batch, contexts = 2, result["decode"]["contexts"]
-    dtype = getattr(torch, result["decode"]["dtype"])  # hardware.native_dtype's: bf16 on a CPU with AMX
+    dtype = getattr(torch, result["decode"]["dtype"])  # the policy's for decoding (hardware.precision)
     for name, row in result["variants"].items():
         assert row["check"]["ok"], (name, row["check"])
         train = row["train"]

@@ -3,8 +3,9 @@ attention, the exact equivalences between variants, cached decoding against the 
 forward pass, and the KV-cache sizes of section 2."""
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -49,20 +50,33 @@ def lin(t, layer):
     return t @ layer.weight.double().t()
 
 
-class Table(dict):
-    """A table of references with an entry per variant. A variant it lacks fails the test that
-    reads it, naming the table and the line that defines it: never a skip, never a default."""
+@dataclass
+class Reference:
+    """Everything the tests know of one variant from its formulas, apart from its code. Functions
+    take the layer (or the config c and the layer's index) as their field's comment says."""
+    keys_values: Callable  # (layer, x (1, T, d) float64, c) -> H keys (T, d_qk), H values (T, d_h), rot_dim:
+    # the paper's per-head keys and values, in float64, and how many of each key's last dims RoPE rotates
+    head_keys: Callable  # (layer, x (N, d), c) -> (N, H, d_qk): per-head keys from its own projections
+    # before the QK norm and RoPE (diversity.py's head_qk_weights must match them)
+    params: Callable  # (c, layer) -> (key/value parameters besides W_q, W_o and the MLP, d_qk)
+    paper_cache_mib: float  # its KV cache at 128M (12 layers, 2,048 tokens, bf16) as the paper counts it
+    decoder_extra_mib: float  # what its decoder caches besides (LRKV's and MLA's key RMSs)
+    cache_elements: Callable  # (c, layer) -> its cached elements per token in that layer, all of them
+    key_weights: tuple  # the weights that make its keys: scaled down, keys far below bf16's eps
+    key_builder: Callable  # layer -> (object, method name, count): where it builds per-head keys, count
+    # (the call's arguments) -> the positions a call builds keys for, None where it builds something else
 
-    def __init__(self, name, entries):
-        super().__init__(entries)
-        self.name = name
+
+class References(dict):
+    """REFERENCES: one Reference per --attn name. A variant without one fails the test that needs it,
+    naming what to add: never a skip, never a default."""
 
     def __missing__(self, attn):
         lines = Path(__file__).read_text().splitlines()
-        line = next(n for n, text in enumerate(lines, 1) if text.startswith(f"{self.name} = "))
-        pytest.fail(f"{self.name} has no entry for --attn={attn}: add one at test_model.py:{line} (or, for "
-                    "a variant defined in a test file, where that file registers its entries, as "
-                    "test_variant.py's REFERENCES)")
+        line = next(n for n, text in enumerate(lines, 1) if text.startswith("REFERENCES = "))
+        pytest.fail(f"REFERENCES has no entry for --attn={attn}: add a Reference(...) for it at "
+                    f"test_model.py:{line} (a variant defined in a test file registers its own, as "
+                    "test_variant.py's REFERENCES do)")
 
 
 def grouped_keys_values(kv_heads):
@@ -95,14 +109,73 @@ def mla_keys_values(attn, x, config):
     return keys, [v_all[:, h] for h in range(H)], config.rope_head_dim
 
 
-# Each variant's keys and values from the paper's formulas, and how many of each key's last dims
-# RoPE rotates: (layer, x (1, T, d) float64, config) -> (H keys (T, d_qk), H values (T, d_h), rot_dim)
-NAIVE_KEYS_VALUES = Table("NAIVE_KEYS_VALUES", {
-    "mha": grouped_keys_values(lambda config: config.n_head),
-    "gqa": grouped_keys_values(lambda config: config.n_kv_head),
-    "mqa": grouped_keys_values(lambda config: 1),
-    "lrkv": lrkv_keys_values,
-    "mla": mla_keys_values,
+def grouped_head_keys(layer, x, c):
+    G = layer.n_kv_head
+    return layer.W_k(x).view(len(x), G, c.head_dim).repeat_interleave(c.n_head // G, dim=1)
+
+
+def lrkv_head_keys(layer, x, c):
+    return layer.head_keys(x[None])[2][0]
+
+
+def mla_head_keys(layer, x, c):  # the latent norm taken as identity
+    k_nope = layer.W_up_k(layer.W_down(x)).view(len(x), c.n_head, c.head_dim)
+    return torch.cat((k_nope, layer.W_kr(x)[:, None].expand(len(x), c.n_head, c.rope_head_dim)), dim=-1)
+
+
+def grouped_key_builder(layer):
+    """MHA, GQA and MQA build per-head keys with W_k and cache them ready."""
+    return layer.W_k, "forward", lambda x: x.size(1)
+
+
+def lrkv_key_builder(layer):
+    """LRKV builds them as R_h^K (B_h^K)^T: residual with factor B_k."""
+    return layer, "residual", lambda R, factor: R.size(1) if factor is layer.B_k else None
+
+
+def mla_key_builder(layer):
+    """MLA, with the W_up_k module's call: a step that used W_up_k.weight directly on the cache
+    would escape it."""
+    return layer.W_up_k, "forward", lambda c: c.size(1)
+
+
+# LRKV's and MLA's decoders also cache each head's key RMS, which the paper does not count:
+# 12 layers x 2048 tokens x 6 heads x 2 bytes (+0.7% and +3.1%; see LowRankKVAttention and
+# MultiHeadLatentAttention)
+KEY_RMS_MIB = 12 * 2048 * 6 * 2 / MIB
+
+
+# One Reference per variant of model.py, by its --attn name: where a new variant adds its entry
+REFERENCES = References({
+    "mha": Reference(
+        keys_values=grouped_keys_values(lambda c: c.n_head), head_keys=grouped_head_keys,
+        params=lambda c, layer: (2 * c.n_head * c.n_embd * c.head_dim, c.head_dim),  # the paper's section 1
+        paper_cache_mib=72, decoder_extra_mib=0, cache_elements=lambda c, layer: 2 * c.n_head * c.head_dim,
+        key_weights=("W_k",), key_builder=grouped_key_builder),
+    "gqa": Reference(
+        keys_values=grouped_keys_values(lambda c: c.n_kv_head), head_keys=grouped_head_keys,
+        params=lambda c, layer: (2 * c.n_kv_head * c.n_embd * c.head_dim, c.head_dim),
+        paper_cache_mib=36, decoder_extra_mib=0, cache_elements=lambda c, layer: 2 * c.n_kv_head * c.head_dim,
+        key_weights=("W_k",), key_builder=grouped_key_builder),
+    "mqa": Reference(
+        keys_values=grouped_keys_values(lambda c: 1), head_keys=grouped_head_keys,
+        params=lambda c, layer: (2 * c.n_embd * c.head_dim, c.head_dim),
+        paper_cache_mib=12, decoder_extra_mib=0, cache_elements=lambda c, layer: 2 * c.head_dim,
+        key_weights=("W_k",), key_builder=grouped_key_builder),
+    "lrkv": Reference(
+        keys_values=lrkv_keys_values, head_keys=lrkv_head_keys,
+        params=lambda c, layer: (  # the paper's section 1
+            2 * c.n_embd * c.head_dim + 2 * c.n_head * c.lrkv_rank * (c.n_embd + c.head_dim), c.head_dim),
+        paper_cache_mib=37.875, decoder_extra_mib=KEY_RMS_MIB,
+        cache_elements=lambda c, layer: 2 * c.head_dim + 2 * c.n_head * c.lrkv_rank + c.n_head,
+        key_weights=("W_shared_k", "U_k"), key_builder=lrkv_key_builder),
+    "mla": Reference(
+        keys_values=mla_keys_values, head_keys=mla_head_keys,
+        params=lambda c, layer: (c.n_embd * c.kv_lora_rank + 2 * c.kv_lora_rank * c.n_head * c.head_dim
+                                 + c.n_embd * c.rope_head_dim, c.head_dim + c.rope_head_dim),
+        paper_cache_mib=9, decoder_extra_mib=KEY_RMS_MIB,
+        cache_elements=lambda c, layer: c.kv_lora_rank + c.rope_head_dim + c.n_head,
+        key_weights=("W_up_k", "W_kr"), key_builder=mla_key_builder),
 })
 
 
@@ -110,7 +183,7 @@ def naive_attention(attn, x, config):
     """One head at a time, softmax written out, keys and values from the paper's formulas."""
     x = x.double()
     H, T = config.n_head, x.size(1)
-    keys, values, rot_dim = NAIVE_KEYS_VALUES[config.attn](attn, x, config)
+    keys, values, rot_dim = REFERENCES[config.attn].keys_values(attn, x, config)
     qk_dim = keys[0].size(-1)
     positions = torch.arange(T, dtype=torch.float64)
     Wq = attn.W_q.weight.double().view(H, qk_dim, -1)
@@ -240,32 +313,38 @@ def test_cached_rms_is_what_norm_divides_by(dtype, tol):
     assert torch.allclose(divided, norm(x).double(), rtol=tol, atol=tol)
 
 
-# The weights that make each variant's keys: scaled down, they leave keys with a mean square far
-# below bf16's eps, where the QK norm (and the key RMS that LRKV and MLA cache) must keep its fp32 eps
-KEY_WEIGHTS = Table("KEY_WEIGHTS", {
-    "mha": ("W_k",), "gqa": ("W_k",), "mqa": ("W_k",),
-    "lrkv": ("W_shared_k", "U_k"), "mla": ("W_up_k", "W_kr"),
-})
+def token_by_token(model, idx, prefix, dtype=torch.float32, caches_for_steps=list):
+    """idx's logits from position prefix on: a prompt of prefix tokens into fresh caches, then each
+    token through caches_for_steps(caches) (decode.py's turn them into its own)."""
+    caches = model.new_caches(idx.size(0), idx.size(1), dtype=dtype)
+    model(idx[:, :prefix], caches=caches)
+    caches = caches_for_steps(caches)
+    return torch.cat([model(idx[:, t:t + 1], caches=caches)[0] for t in range(prefix, idx.size(1))], dim=1)
+
+
+def small_key_model(attn):
+    """A bf16 tiny model whose key weights are scaled down 30x: keys with a mean square far below
+    bf16's eps, where the QK norm (and the key RMS that LRKV and MLA cache) must keep its fp32 eps."""
+    model = tiny_model(attn).to(torch.bfloat16)
+    with torch.no_grad():
+        for name in REFERENCES[attn].key_weights:
+            for block in model.blocks:
+                getattr(block.attn, name).weight.mul_(0.03)
+    return model
 
 
 @pytest.mark.parametrize("attn", ATTENTION)
 def test_bf16_single_token_steps_with_small_keys_match_the_full_forward(attn):
-    model = tiny_model(attn).to(torch.bfloat16)
+    model = small_key_model(attn)
+    idx = torch.randint(0, TINY.vocab_size, (2, 24))
     with torch.no_grad():
-        for name in KEY_WEIGHTS[attn]:
-            for block in model.blocks:
-                getattr(block.attn, name).weight.mul_(0.03)
-        idx = torch.randint(0, TINY.vocab_size, (2, 24))
-        full = model(idx)[0]
-        caches = model.new_caches(2, 24, dtype=torch.bfloat16)
-        model(idx[:, :8], caches=caches)
-        stepped = torch.cat([model(idx[:, t:t + 1], caches=caches)[0] for t in range(8, 24)], dim=1)
+        full, stepped = model(idx)[0], token_by_token(model, idx, 8, torch.bfloat16)
     assert (stepped - full[:, 8:]).norm() / full[:, 8:].norm() < 2e-2
 
 
 @pytest.mark.parametrize("attn", ATTENTION)
 def test_single_token_steps_match_a_chunk_over_64_positions(attn):
-    """Single-token steps (LRKV's and MLA's decode_step) against one chunk after the same prefix,
+    """Single-token steps of the plain cached path against one chunk after the same prefix,
     which rebuilds the keys, and against the full forward, over 64 positions."""
     model = tiny_model(attn, block_size=64)
     idx = torch.randint(0, TINY.vocab_size, (2, 64))
@@ -274,83 +353,9 @@ def test_single_token_steps_match_a_chunk_over_64_positions(attn):
         caches = model.new_caches(2, 64, dtype=torch.float32)
         model(idx[:, :8], caches=caches)
         chunk = model(idx[:, 8:], caches=caches)[0]
-        caches = model.new_caches(2, 64, dtype=torch.float32)
-        model(idx[:, :8], caches=caches)
-        stepped = torch.cat([model(idx[:, t:t + 1], caches=caches)[0] for t in range(8, 64)], dim=1)
+        stepped = token_by_token(model, idx, 8)
     assert (stepped - chunk).abs().max() < 1e-4
     assert (stepped - full[:, 8:]).abs().max() < 1e-4
-
-
-# Where each variant builds per-head keys: (object, method name, the number of positions a call
-# builds keys for, None when the call builds something else). MHA, GQA and MQA build them with W_k
-# and cache them ready. For MLA it is the W_up_k module's call: a step that used W_up_k.weight
-# directly on the cache would escape it.
-def grouped_key_builder(layer):
-    return layer.W_k, "forward", lambda x: x.size(1)
-
-
-KEY_BUILDERS = Table("KEY_BUILDERS", {
-    "mha": grouped_key_builder, "gqa": grouped_key_builder, "mqa": grouped_key_builder,
-    "lrkv": lambda layer: (layer, "residual", lambda R, factor: R.size(1) if factor is layer.B_k else None),
-    "mla": lambda layer: (layer.W_up_k, "forward", lambda c: c.size(1)),
-})
-
-
-@pytest.mark.parametrize("attn", ATTENTION)
-def test_single_token_steps_build_keys_of_their_own_token_only(attn, monkeypatch):
-    """A single-token step builds its own token's per-head keys and no cached position's: those
-    that MHA, GQA and MQA cache, and those LRKV and MLA build for the key RMS that they cache, where
-    a cached position's are never built (LRKV's R_h^K (B_h^K)^T, MLA's c W_up,h^K, which the query
-    absorbs)."""
-    model = tiny_model(attn, block_size=64)
-    positions = []
-    for block in model.blocks:
-        owner, name, count = KEY_BUILDERS[attn](block.attn)
-
-        def spied(*args, build=getattr(owner, name), count=count):
-            if count(*args) is not None:
-                positions.append(count(*args))
-            return build(*args)
-        monkeypatch.setattr(owner, name, spied)
-    idx = torch.randint(0, TINY.vocab_size, (2, 64))
-    with torch.no_grad():
-        caches = model.new_caches(2, 64, dtype=torch.float32)
-        model(idx[:, :8], caches=caches)
-        positions.clear()
-        for t in range(8, 64):
-            model(idx[:, t:t + 1], caches=caches)
-    assert positions == [1] * 56 * TINY.n_layer
-
-
-@pytest.mark.parametrize("attn", ATTENTION)
-def test_optimised_single_token_steps_equal_their_plain_equations(attn, monkeypatch):
-    """Every optimised step (a method with a `<name>_reference` beside it: LRKV's key_scores, MLA's
-    decode_step) gives what its plain equation gives, on the arguments of every step of a decode;
-    a variant without one (MHA, GQA, MQA) caches what training computes and attends with forward."""
-    model = tiny_model(attn, block_size=64)
-    layer = model.blocks[0].attn
-    optimised = [name.removesuffix("_reference") for name in dir(layer) if name.endswith("_reference")]
-    compared = []
-    for block in model.blocks:
-        for name in optimised:
-            def both(*args, fast=getattr(block.attn, name), plain=getattr(block.attn, name + "_reference"),
-                     method=name, **kwargs):
-                got, expected = fast(*args, **kwargs), plain(*args, **kwargs)
-                torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-                compared.append(method)
-                return got
-            monkeypatch.setattr(block.attn, name, both)
-    idx = torch.randint(0, TINY.vocab_size, (2, 40))
-    with torch.no_grad():
-        caches = model.new_caches(2, 40, dtype=torch.float32)
-        model(idx[:, :8], caches=caches)
-        for t in range(8, 40):
-            model(idx[:, t:t + 1], caches=caches)
-    assert sorted(compared) == sorted(name for _ in range(32) for _ in model.blocks for name in optimised)
-    if isinstance(layer, GroupedQueryAttention):
-        assert optimised == []
-    else:
-        assert optimised
 
 
 @pytest.mark.parametrize("attn", ATTENTION)
@@ -418,36 +423,16 @@ def test_what_exceeds_block_size_is_refused():
         model(torch.zeros(1, 3, dtype=torch.long), caches=caches)
 
 
-# Each variant's KV cache at 128M (12 layers, 2,048 tokens, bf16), in MiB, keys and values as the
-# paper counts them (section 2)
-PAPER_CACHE_MIB = Table("PAPER_CACHE_MIB", {"mha": 72, "gqa": 36, "mqa": 12, "lrkv": 37.875, "mla": 9})
-# What each decoder caches besides: LRKV's and MLA's also cache each head's key RMS, which the paper
-# does not count, 12 layers x 2048 tokens x 6 heads x 2 bytes (+0.7% and +3.1%; see
-# LowRankKVAttention and MultiHeadLatentAttention)
-KEY_RMS_MIB = 12 * 2048 * 6 * 2 / MIB
-DECODER_EXTRA_MIB = Table("DECODER_EXTRA_MIB", {
-    "mha": 0, "gqa": 0, "mqa": 0, "lrkv": KEY_RMS_MIB, "mla": KEY_RMS_MIB,
-})
-# Each variant's cached elements per token and layer, all of them, from its formula
-CACHE_ELEMENTS = Table("CACHE_ELEMENTS", {
-    "mha": lambda c, layer: 2 * c.n_head * c.head_dim,
-    "gqa": lambda c, layer: 2 * c.n_kv_head * c.head_dim,
-    "mqa": lambda c, layer: 2 * c.head_dim,
-    "lrkv": lambda c, layer: 2 * c.head_dim + 2 * c.n_head * c.lrkv_rank + c.n_head,
-    "mla": lambda c, layer: c.kv_lora_rank + c.rope_head_dim + c.n_head,
-})
-
-
 def cache_elements(attn, c):
-    """CACHE_ELEMENTS' count per token, summed over the layers."""
-    return sum(CACHE_ELEMENTS[attn](c, layer) for layer in range(c.n_layer))
+    """The Reference's cached elements per token, summed over the layers."""
+    return sum(REFERENCES[attn].cache_elements(c, layer) for layer in range(c.n_layer))
 
 
 @pytest.mark.parametrize("attn", ATTENTION)
 def test_kv_cache_bytes_of_the_128m_model(attn):
     with torch.device("meta"):
         model = GPT(GPTConfig(attn=attn))
-    mib = PAPER_CACHE_MIB[attn] + DECODER_EXTRA_MIB[attn]
+    mib = REFERENCES[attn].paper_cache_mib + REFERENCES[attn].decoder_extra_mib
     assert model.kv_cache_bytes(1, 2048, torch.bfloat16) == mib * MIB
     H, d_h, c = model.config.n_head, model.config.head_dim, model.config
     assert model.kv_cache_elements_per_token() == cache_elements(attn, c)
@@ -480,19 +465,6 @@ def test_caches_default_to_the_weights_dtype():
         assert model.kv_cache_bytes(2, 8) == model.kv_cache_bytes(2, 8, dtype)
 
 
-# Each variant's parameters in layer `layer` besides W_q, W_o and the MLP, from its formula (MHA's
-# and LRKV's are the paper's section 1), and the width of its q/k heads: (K/V-side parameters, d_qk)
-ATTENTION_PARAMS = Table("ATTENTION_PARAMS", {
-    "mha": lambda c, layer: (2 * c.n_head * c.n_embd * c.head_dim, c.head_dim),
-    "gqa": lambda c, layer: (2 * c.n_kv_head * c.n_embd * c.head_dim, c.head_dim),
-    "mqa": lambda c, layer: (2 * c.n_embd * c.head_dim, c.head_dim),
-    "lrkv": lambda c, layer: (
-        2 * c.n_embd * c.head_dim + 2 * c.n_head * c.lrkv_rank * (c.n_embd + c.head_dim), c.head_dim),
-    "mla": lambda c, layer: (c.n_embd * c.kv_lora_rank + 2 * c.kv_lora_rank * c.n_head * c.head_dim
-                             + c.n_embd * c.rope_head_dim, c.head_dim + c.rope_head_dim),
-})
-
-
 @pytest.mark.parametrize("attn", ATTENTION)
 def test_parameter_and_flop_counts_follow_each_variants_formula(attn):
     """At 128M: the parameters, and the training FLOPs per token, 6 per weight of every matmul (all
@@ -500,36 +472,13 @@ def test_parameter_and_flop_counts_follow_each_variants_formula(attn):
     c = GPTConfig(attn=attn)
     params, attention, T = 0, 0, 1024
     for layer in range(c.n_layer):
-        kv, d_qk = ATTENTION_PARAMS[attn](c, layer)
+        kv, d_qk = REFERENCES[attn].params(c, layer)
         params += kv + c.n_embd * c.n_head * d_qk + c.n_head * c.head_dim * c.n_embd + 8 * c.n_embd ** 2
         attention += c.n_head * (d_qk + c.head_dim) * T
     with torch.device("meta"):
         model = GPT(c)
     assert model.get_num_params() == 2 * c.vocab_size * c.n_embd + params
     assert model.flops_per_token(T) == 6 * (c.vocab_size * c.n_embd + params) + 6 * attention
-
-
-def grouped_head_keys(layer, x, c):
-    G = layer.n_kv_head
-    return layer.W_k(x).view(len(x), G, c.head_dim).repeat_interleave(c.n_head // G, dim=1)
-
-
-def lrkv_head_keys(layer, x, c):
-    r_k = layer.U_k(x).view(1, len(x), layer.n_residual, layer.lrkv_rank)
-    return layer.W_shared_k(x)[:, None] + layer.residual(layer.per_head(r_k), layer.B_k)[0]
-
-
-def mla_head_keys(layer, x, c):  # the latent norm taken as identity
-    k_nope = layer.W_up_k(layer.W_down(x)).view(len(x), c.n_head, c.head_dim)
-    return torch.cat((k_nope, layer.W_kr(x)[:, None].expand(len(x), c.n_head, c.rope_head_dim)), dim=-1)
-
-
-# Each variant's per-head keys (N, H, d_qk) for x (N, d), from its own projections, before the QK
-# norm and RoPE
-HEAD_KEYS = Table("HEAD_KEYS", {
-    "mha": grouped_head_keys, "gqa": grouped_head_keys, "mqa": grouped_head_keys, "lrkv": lrkv_head_keys,
-    "mla": mla_head_keys,
-})
 
 
 @pytest.mark.parametrize("attn", ATTENTION)
@@ -541,18 +490,19 @@ def test_head_qk_weights_match_each_variants_projections(attn):
     assert Wq.shape == Wk.shape == (c.n_head, c.n_embd, layer.qk_dim)
     H = c.n_head
     q = layer.W_q(x).view(5, H, layer.qk_dim)
-    k = HEAD_KEYS[attn](layer, x, c)
+    k = REFERENCES[attn].head_keys(layer, x, c)
     for h in range(H):
         torch.testing.assert_close(x @ Wq[h], q[:, h], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(x @ Wk[h], k[:, h], atol=1e-5, rtol=1e-5)
 
 
-def test_the_readme_names_every_reference_table():
-    """README.md's "Adding a variant" lists every table that a new variant needs an entry in."""
+def test_the_readme_names_every_field_of_a_reference():
+    """README.md's "Adding a variant" names REFERENCES and every field of a Reference."""
     readme = (Path(__file__).parent / "README.md").read_text()
     section = readme.split("## Adding a variant")[1].split("\n## ")[0]
-    tables = [name for name, value in globals().items() if isinstance(value, Table)]
-    assert tables and [name for name in tables if f"`{name}`" not in section] == []
+    assert "`REFERENCES`" in section, "README's Adding a variant does not name REFERENCES"
+    missing = [f.name for f in fields(Reference) if f"`{f.name}`" not in section]
+    assert not missing, f"README's Adding a variant does not name these fields of Reference: {missing}"
 
 
 @pytest.mark.parametrize("overrides, field", [

@@ -17,7 +17,7 @@ import hardware
 import prepare_data
 import sample
 import train
-from fast_decode import compiled_decode
+from decode import compiled_decode, exact_step
 from model import GPT
 from test_train import data_dir, flags, flip_a_bit  # noqa: F401 (data_dir is a fixture)
 
@@ -112,7 +112,7 @@ def test_the_flags_reach_stream(capsys, monkeypatch, ckpt):
     run(capsys, ckpt, f"--prompt={PROMPT}", "--temperature=0.5", "--top_k=none", "--no_cache",
         "--num_samples=2")
     run(capsys, ckpt, "--compile")
-    assert calls == ([([[BYTES.eot_id]], NEW, 0.8, 200, True, None)]
+    assert calls == ([([[BYTES.eot_id]], NEW, 0.8, 200, True, exact_step)]
                      + [([[BYTES.eot_id, *PROMPT.encode()]], NEW, 0.5, None, False, None)] * 2
                      + [([[BYTES.eot_id]], NEW, 0.8, 200, True, compiled_decode)])
 

@@ -141,6 +141,12 @@ def test_loss_and_bits_per_byte_are_exact():
     assert bpb == pytest.approx(sum(n for n, k in zip(nats, nbytes) if k) / (math.log(2) * sum(nbytes)))
 
 
+def test_a_run_shorter_than_its_warmup_is_warned_of_not_refused(data_dir, tmp_path, capsys):
+    assert train.main(flags(data_dir=data_dir, out_dir=tmp_path / "out", max_steps=2, warmup_steps=4)) == 0
+    warning = "warning: max_steps = 2 is below warmup_steps = 4: the lr ends at 50% of its peak"
+    assert warning in capsys.readouterr().err
+
+
 def test_schedule_and_optimizers():
     cfg = train.TrainConfig(max_steps=100, warmup_steps=10)
     assert train.lr_multiplier(0, cfg) == pytest.approx(0.1)

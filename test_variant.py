@@ -4,11 +4,12 @@
 - LRK, LRKV's keys with one value that every head shares, as MQA's;
 - LRKV whose rank differs from layer to layer;
 - grouped LRKV, one residual for each group of H/G heads, every head its own B_h.
-The last three subclass LowRankKVAttention and reuse its decoding. Each goes through every test of
-test_model.py, test_fast_decode.py and test_convert.py that runs on every variant, with an entry
-in each of test_model.py's tables (REFERENCES); the interleaved one also through train.py (a run
-and its resume), analyze.py and bench.py, the per-layer one through train.py and analyze.py. The
-README's "write the class, register it, give the tables an entry" is all a variant takes."""
+The last three subclass LowRankKVAttention. Each goes through every test of test_model.py,
+test_decode.py and test_convert.py that runs on every variant, with a Reference in test_model.py's
+REFERENCES; the interleaved one also through train.py (a run and its resume), analyze.py and
+bench.py, the per-layer one through train.py and analyze.py. Each registers what it needs the way
+README's "Adding a variant" says: its single-token step with decode.py (or inherits LRKV's), its
+conversion with convert.py, its key weights with diversity.py, its legend with analyze.py."""
 
 import inspect
 import json
@@ -16,16 +17,21 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn as nn
 
 import analyze
 import bench
+import convert
+import decode
+import diversity
 import model
 import test_analyze
 import test_convert
-import test_fast_decode
+import test_decode
 import test_model
 import train
-from model import GroupedQueryAttention, LowRankKVAttention, apply_rope, norm
+from model import GroupedQueryAttention, LowRankKVAttention, apply_rope, norm, rms
+from test_model import KEY_RMS_MIB, Reference
 from test_train import data_dir, flags  # noqa: F401 (data_dir is a fixture)
 
 
@@ -34,35 +40,24 @@ class InterleavedGroupedQueryAttention(GroupedQueryAttention):
     query heads read different keys. GQA's projections, checks and cache (2 G d_h per token); only
     which query head reads which key/value head differs."""
 
-    @classmethod
-    def legend_label(cls, config, peers):
-        return f"Interleaved GQA ({config.n_kv_head} KV heads)"
-
-    @classmethod
-    def legend_key(cls, config):
-        return 5, config.n_kv_head
-
-    def forward(self, x, rope, cache=None):
-        B, T, _ = x.shape
-        q = self.queries(x, rope)
-        k = apply_rope(norm(self.W_k(x).view(B, T, self.n_kv_head, self.head_dim)), rope)
-        v = self.W_v(x).view(B, T, self.n_kv_head, self.head_dim)
-        if cache is not None:
-            cached = cache.update(k=k, v=v)
-            k, v = cached["k"], cached["v"]
+    def keys_values(self, rope, k, v):
         # SDPA's enable_gqa groups heads contiguously: tile the G heads H/G times instead, so that
         # head h meets head h mod G
         tiles = self.n_head // self.n_kv_head
-        return self.project_out(self.attend(q, k.repeat(1, 1, tiles, 1), v.repeat(1, 1, tiles, 1), cache))
+        return k.repeat(1, 1, tiles, 1), v.repeat(1, 1, tiles, 1)
 
-    def head_key_weights(self):
-        Wk = self.W_k.weight.view(self.n_kv_head, self.head_dim, -1).transpose(1, 2)  # (G, d, d_h)
-        return Wk.repeat(self.n_head // self.n_kv_head, 1, 1)
+
+def interleaved_head_key_weights(attn):
+    Wk = attn.W_k.weight.view(attn.n_kv_head, attn.head_dim, -1).transpose(1, 2)  # (G, d, d_h)
+    return Wk.repeat(attn.n_head // attn.n_kv_head, 1, 1)
+
+
+diversity.HEAD_KEY_WEIGHTS[InterleavedGroupedQueryAttention] = interleaved_head_key_weights
 
 
 class LowRankKeyAttention(LowRankKVAttention):
     """LRK: LRKV's keys, K_h = X W_shared^K + (X U_h^K)(B_h^K)^T, and one value V = X W_shared^V that
-    every head shares, as MQA's. LRKV's decode reads this value half through the four methods below."""
+    every head shares, as MQA's. Cache per token 2 d_h + H r + H."""
 
     def __init__(self, config, layer):
         super().__init__(config, layer)
@@ -70,57 +65,56 @@ class LowRankKeyAttention(LowRankKVAttention):
 
     def forward(self, x, rope, cache=None):
         if cache is not None:
-            return self.decode(x, rope, cache)
-        B, T, _ = x.shape
+            return super().forward(x, rope, cache)
         q = self.queries(x, rope)
-        r_k = self.U_k(x).view(B, T, self.n_head, self.lrkv_rank)
-        k = self.W_shared_k(x).unsqueeze(2) + self.residual(r_k, self.B_k)  # (B, T, H, d_h): K_h
-        return self.project_out(self.attend(q, apply_rope(norm(k), rope), self.values(self.W_shared_v(x))))
-
-    def value_shapes(self):
-        return {"v_shared": (self.head_dim,)}
-
-    def value_entries(self, x):
-        return {"v_shared": self.W_shared_v(x)}
+        k = self.head_keys(x)[2]  # (B, T, H, d_h): K_h
+        return self.W_o(self.attend(q, apply_rope(norm(k), rope), self.values(self.W_shared_v(x))).flatten(2))
 
     def values(self, v_shared):
         return v_shared.unsqueeze(2).expand(-1, -1, self.n_head, -1)  # (B, S, H, d_h)
 
-    def attend_values(self, a, v_shared):
-        return (a @ v_shared).unsqueeze(1)  # (B, 1, H, d_h)
+    def cache_shapes(self):
+        return {"k_shared": (self.head_dim,), "r_k": (self.n_head, self.lrkv_rank), "rho": (self.n_head,),
+                "v_shared": (self.head_dim,)}
 
-    @classmethod
-    def legend_label(cls, config, peers):
-        return f"LRK (r={config.lrkv_rank})"
+    def cache_entries(self, x, rope):
+        k_shared, r_k, k = self.head_keys(x)
+        return {"k_shared": apply_rope(k_shared.unsqueeze(2), rope).squeeze(2), "r_k": r_k, "rho": rms(k),
+                "v_shared": self.W_shared_v(x)}
 
-    @classmethod
-    def legend_key(cls, config):
-        return 6, config.lrkv_rank
+    def keys_values(self, rope, k_shared, r_k, rho, v_shared):
+        return self.keys(k_shared, r_k, rho, rope), self.values(v_shared)
 
-    def head_kv_weights(self):
-        W_V = self.W_shared_v.weight.expand(self.n_head, -1, -1)  # (H, d_h, d)
-        return self.head_weights(self.W_shared_k, self.U_k, self.B_k), W_V
 
-    def load_head_kv_weights(self, W_K, W_V, C=None):
-        """The keys as LRKV converts them; the one value the heads' mean, as MQA's."""
-        self.load_head_weights(W_K, self.W_shared_k, self.U_k, self.B_k, C)
-        self.W_shared_v.weight.copy_(W_V.mean(0))
+@decode.single_token_step(LowRankKeyAttention)
+def lrk_step(attn, q, cached, rope, mask):
+    """LRKV's exact key scores, then the one shared value: a_h V_shared."""
+    scores = decode.key_scores(attn, q, cached["k_shared"], cached["r_k"], cached["rho"], rope)  # (B, H, S)
+    return (decode.masked_softmax(scores, mask, q.dtype) @ cached["v_shared"]).unsqueeze(1)
+
+
+def lrk_head_kv_weights(attn):
+    W_V = attn.W_shared_v.weight.expand(attn.n_head, -1, -1)  # (H, d_h, d)
+    return convert.lrkv_head_weights(attn, attn.W_shared_k, attn.U_k, attn.B_k), W_V
+
+
+def load_lrk_head_kv_weights(attn, W_K, W_V, C=None):
+    """The keys as LRKV converts them; the one value the heads' mean, as MQA's."""
+    convert.load_lrkv_head_weights(attn, W_K, attn.W_shared_k, attn.U_k, attn.B_k, C)
+    attn.W_shared_v.weight.copy_(W_V.mean(0))
+
+
+convert.HEAD_KV_WEIGHTS[LowRankKeyAttention] = lrk_head_kv_weights
+convert.LOAD_HEAD_KV_WEIGHTS[LowRankKeyAttention] = load_lrk_head_kv_weights
 
 
 class PerLayerRankAttention(LowRankKVAttention):
     """LRKV whose rank grows with depth: lrkv_rank in layer 0, twice it in layer 1, and so on up to
-    head_dim. Nothing else changes: every count (parameters, cache) follows the layer's rank."""
+    head_dim. Nothing else changes: every count (parameters, cache) follows the layer's rank, and
+    LRKV's single-token step and conversion read the layer's rank."""
 
     def __init__(self, config, layer):
         super().__init__(replace(config, lrkv_rank=layer_rank(config, layer)), layer)
-
-    @classmethod
-    def legend_label(cls, config, peers):
-        return f"LRKV (r={config.lrkv_rank} x layer)"
-
-    @classmethod
-    def legend_key(cls, config):
-        return 7, config.lrkv_rank
 
 
 def layer_rank(config, layer):
@@ -130,38 +124,67 @@ def layer_rank(config, layer):
 class GroupedLowRankKVAttention(LowRankKVAttention):
     """Grouped LRKV: G = n_kv_head residuals per token, R_g = X U_g, each read by H/G consecutive
     heads, every head its own B_h: K_h = K_shared + R_g B_h^T for g = h G // H, V_h likewise. Cache
-    per token 2 d_h + 2 G r + H. LRKV with one method changed (residual_heads); its decoding as it is."""
+    per token 2 d_h + 2 G r + H. LRKV with G-wide U and cache, each residual read per head."""
 
-    @staticmethod
-    def residual_heads(config):
-        return config.n_kv_head
+    def __init__(self, config, layer):
+        super().__init__(config, layer)
+        self.n_groups = config.n_kv_head
+        self.U_k = nn.Linear(config.n_embd, self.n_groups * config.lrkv_rank, bias=False)
+        self.U_v = nn.Linear(config.n_embd, self.n_groups * config.lrkv_rank, bias=False)
 
     @classmethod
     def check(cls, config):
         super().check(config)
         GroupedQueryAttention.check(config)
 
-    @classmethod
-    def legend_label(cls, config, peers):
-        return f"Grouped LRKV (r={config.lrkv_rank}, {config.n_kv_head} groups)"
+    def per_head(self, R):
+        """The residual each head reads, (B, S, G, r) -> (B, S, H, r): residual g read by heads g H / G
+        on; R itself where it is already per head."""
+        return R.repeat_interleave(self.n_head // R.size(2), dim=2)
 
-    @classmethod
-    def legend_key(cls, config):
-        return 8, config.lrkv_rank
+    def residual(self, R, factor):
+        return super().residual(self.per_head(R), factor)
 
-    def load_head_weights(self, heads, W_shared, U, factor, C):
-        """W_shared the heads' mean; a group's residual the rank-r truncated SVD of its heads'
-        deviations stacked, (H/G d_h, d), U_g shared by the group, each head's B_h its rows; with C
-        the stacked deviations times C^(1/2) (shared_plus_low_rank's projection, for a group)."""
-        G, r, d = self.n_residual, self.lrkv_rank, heads.size(-1)
+    def cache_shapes(self):
+        residuals = (self.n_groups, self.lrkv_rank)
+        return {**super().cache_shapes(), "r_k": residuals, "r_v": residuals}
+
+
+@decode.single_token_step(GroupedLowRankKVAttention)
+def grouped_lrkv_step(attn, q, cached, rope, mask):
+    """LRKV's step on each head's residual."""
+    per_head = {name: attn.per_head(t) if name in ("r_k", "r_v") else t for name, t in cached.items()}
+    return decode.lrkv_step(attn, q, per_head, rope, mask)
+
+
+def grouped_lrkv_head_kv_weights(attn):
+    H, G, d_h, r = attn.n_head, attn.n_groups, attn.head_dim, attn.lrkv_rank
+
+    def heads(W_shared, U, factor):
+        U_t = U.weight.view(G, r, -1).repeat_interleave(H // G, dim=0)  # (H, r, d)
+        return W_shared.weight + torch.einsum("hdr,hrc->hdc", factor.view(H, d_h, r), U_t)
+    return heads(attn.W_shared_k, attn.U_k, attn.B_k), heads(attn.W_shared_v, attn.U_v, attn.B_v)
+
+
+def load_grouped_lrkv_head_kv_weights(attn, W_K, W_V, C=None):
+    """W_shared the heads' mean; a group's residual the rank-r truncated SVD of its heads'
+    deviations stacked, (H/G d_h, d), U_g shared by the group, each head's B_h its rows; with C
+    the stacked deviations times C^(1/2) (shared_plus_low_rank's projection, for a group)."""
+    G, r = attn.n_groups, attn.lrkv_rank
+    for heads, W_shared, U, factor in ((W_K, attn.W_shared_k, attn.U_k, attn.B_k),
+                                       (W_V, attn.W_shared_v, attn.U_v, attn.B_v)):
         mean = heads.double().mean(0)
-        D = (heads.double() - mean).reshape(G, -1, d)  # (G, H/G d_h, d)
+        D = (heads.double() - mean).reshape(G, -1, heads.size(-1))  # (G, H/G d_h, d)
         # D C D^T's top eigenvectors are the left singular vectors of D C^(1/2), no root of C needed
         gram = D @ (D.mT if C is None else C.double() @ D.mT)  # (G, H/G d_h, H/G d_h)
         P = torch.linalg.eigh(gram)[1][..., -r:]  # (G, H/G d_h, r)
         W_shared.weight.copy_(mean)
         U.weight.copy_((P.mT @ D).flatten(0, 1))  # (G r, d)
         factor.copy_(P.flatten(0, 1))  # (H d_h, r)
+
+
+convert.HEAD_KV_WEIGHTS[GroupedLowRankKVAttention] = grouped_lrkv_head_kv_weights
+convert.LOAD_HEAD_KV_WEIGHTS[GroupedLowRankKVAttention] = load_grouped_lrkv_head_kv_weights
 
 
 def grouped_lrkv_keys_values(attn, x, config):
@@ -192,71 +215,61 @@ def lrk_keys_values(attn, x, config):
     return keys, [test_model.lin(x[0], attn.W_shared_v)] * H, d_h
 
 
-# Each variant's class and its entry in every table of test_model.py, where a variant of model.py
-# has its own
-REFERENCES = {
-    "gqa_interleaved": (InterleavedGroupedQueryAttention, dict(
-        NAIVE_KEYS_VALUES=interleaved_keys_values,
-        HEAD_KEYS=interleaved_head_keys,
-        ATTENTION_PARAMS=lambda c, layer: (2 * c.n_kv_head * c.n_embd * c.head_dim, c.head_dim),
-        PAPER_CACHE_MIB=36,  # GQA's: 3 of 6 KV heads
-        DECODER_EXTRA_MIB=0,
-        CACHE_ELEMENTS=lambda c, layer: 2 * c.n_kv_head * c.head_dim,
-        KEY_WEIGHTS=("W_k",),
-        KEY_BUILDERS=test_model.grouped_key_builder,
-    )),
-    "lrk": (LowRankKeyAttention, dict(
-        NAIVE_KEYS_VALUES=lrk_keys_values,
-        HEAD_KEYS=test_model.lrkv_head_keys,
+# the paper's 128M shape: 12 layers of 6 heads of 128, r = 46 (lrkv_per_layer: 46, 92, then 128)
+PAPER_BF16_MIB_PER_ELEMENT = 12 * 2048 * 2 / 2**20
+
+# Each variant's class, its Reference (test_model.py's REFERENCES) and its legend (analyze.LEGEND)
+VARIANTS = {
+    "gqa_interleaved": (InterleavedGroupedQueryAttention, Reference(
+        keys_values=interleaved_keys_values, head_keys=interleaved_head_keys,
+        params=lambda c, layer: (2 * c.n_kv_head * c.n_embd * c.head_dim, c.head_dim),
+        paper_cache_mib=36, decoder_extra_mib=0,  # GQA's: 3 of 6 KV heads
+        cache_elements=lambda c, layer: 2 * c.n_kv_head * c.head_dim,
+        key_weights=("W_k",), key_builder=test_model.grouped_key_builder),
+        (lambda config, peers: f"Interleaved GQA ({config.n_kv_head} KV heads)",
+         lambda config: config.n_kv_head)),
+    "lrk": (LowRankKeyAttention, Reference(
+        keys_values=lrk_keys_values, head_keys=test_model.lrkv_head_keys,
         # W_shared^K and W_shared^V (d x d_h), and each head's U_h^K (d x r) and B_h^K (d_h x r)
-        ATTENTION_PARAMS=lambda c, layer: (
+        params=lambda c, layer: (
             2 * c.n_embd * c.head_dim + c.n_head * c.lrkv_rank * (c.n_embd + c.head_dim), c.head_dim),
-        PAPER_CACHE_MIB=24.9375,  # 12 layers x 2048 tokens x (2 d_h + H r = 2 x 128 + 6 x 46) x 2 bytes
-        DECODER_EXTRA_MIB=test_model.KEY_RMS_MIB,
-        CACHE_ELEMENTS=lambda c, layer: 2 * c.head_dim + c.n_head * c.lrkv_rank + c.n_head,
-        KEY_WEIGHTS=("W_shared_k", "U_k"),
-        KEY_BUILDERS=test_model.KEY_BUILDERS["lrkv"],
-    )),
+        paper_cache_mib=24.9375,  # 12 layers x 2048 tokens x (2 d_h + H r = 2 x 128 + 6 x 46) x 2 bytes
+        decoder_extra_mib=KEY_RMS_MIB,
+        cache_elements=lambda c, layer: 2 * c.head_dim + c.n_head * c.lrkv_rank + c.n_head,
+        key_weights=("W_shared_k", "U_k"), key_builder=test_model.lrkv_key_builder),
+        (lambda config, peers: f"LRK (r={config.lrkv_rank})", lambda config: config.lrkv_rank)),
+    "lrkv_per_layer": (PerLayerRankAttention, Reference(
+        keys_values=test_model.lrkv_keys_values, head_keys=test_model.lrkv_head_keys,
+        params=lambda c, layer: (
+            2 * c.n_embd * c.head_dim + 2 * c.n_head * layer_rank(c, layer) * (c.n_embd + c.head_dim),
+            c.head_dim),
+        paper_cache_mib=(2 * 128 + 2 * 6 * (46 + 92 + 10 * 128) / 12) * PAPER_BF16_MIB_PER_ELEMENT,
+        decoder_extra_mib=KEY_RMS_MIB,
+        cache_elements=lambda c, layer: 2 * c.head_dim + 2 * c.n_head * layer_rank(c, layer) + c.n_head,
+        key_weights=("W_shared_k", "U_k"), key_builder=test_model.lrkv_key_builder),
+        (lambda config, peers: f"LRKV (r={config.lrkv_rank} x layer)", lambda config: config.lrkv_rank)),
+    "lrkv_grouped": (GroupedLowRankKVAttention, Reference(
+        keys_values=grouped_lrkv_keys_values, head_keys=test_model.lrkv_head_keys,
+        # W_shared^K and W_shared^V (d x d_h), each group's U_g (d x r) and each head's B_h (d_h x r)
+        params=lambda c, layer: (
+            2 * c.n_embd * c.head_dim + 2 * c.lrkv_rank * (c.n_kv_head * c.n_embd + c.n_head * c.head_dim),
+            c.head_dim),
+        paper_cache_mib=(2 * 128 + 2 * 3 * 46) * PAPER_BF16_MIB_PER_ELEMENT,  # 3 groups at 128M
+        decoder_extra_mib=KEY_RMS_MIB,
+        cache_elements=lambda c, layer: 2 * c.head_dim + 2 * c.n_kv_head * c.lrkv_rank + c.n_head,
+        key_weights=("W_shared_k", "U_k"), key_builder=test_model.lrkv_key_builder),
+        (lambda config, peers: f"Grouped LRKV (r={config.lrkv_rank}, {config.n_kv_head} groups)",
+         lambda config: config.lrkv_rank)),
 }
 
 
-# the paper's 128M shape: 12 layers of 6 heads of 128, r = 46 (lrkv_per_layer: 46, 92, then 128)
-PAPER_BF16_MIB_PER_ELEMENT = 12 * 2048 * 2 / 2**20
-REFERENCES["lrkv_per_layer"] = (PerLayerRankAttention, dict(
-    NAIVE_KEYS_VALUES=test_model.lrkv_keys_values,
-    HEAD_KEYS=test_model.lrkv_head_keys,
-    ATTENTION_PARAMS=lambda c, layer: (
-        2 * c.n_embd * c.head_dim + 2 * c.n_head * layer_rank(c, layer) * (c.n_embd + c.head_dim),
-        c.head_dim),
-    PAPER_CACHE_MIB=(2 * 128 + 2 * 6 * (46 + 92 + 10 * 128) / 12) * PAPER_BF16_MIB_PER_ELEMENT,
-    DECODER_EXTRA_MIB=test_model.KEY_RMS_MIB,
-    CACHE_ELEMENTS=lambda c, layer: 2 * c.head_dim + 2 * c.n_head * layer_rank(c, layer) + c.n_head,
-    KEY_WEIGHTS=("W_shared_k", "U_k"),
-    KEY_BUILDERS=test_model.KEY_BUILDERS["lrkv"],
-))
-REFERENCES["lrkv_grouped"] = (GroupedLowRankKVAttention, dict(
-    NAIVE_KEYS_VALUES=grouped_lrkv_keys_values,
-    HEAD_KEYS=test_model.lrkv_head_keys,
-    # W_shared^K and W_shared^V (d x d_h), each group's U_g (d x r) and each head's B_h (d_h x r)
-    ATTENTION_PARAMS=lambda c, layer: (
-        2 * c.n_embd * c.head_dim + 2 * c.lrkv_rank * (c.n_kv_head * c.n_embd + c.n_head * c.head_dim),
-        c.head_dim),
-    PAPER_CACHE_MIB=(2 * 128 + 2 * 3 * 46) * PAPER_BF16_MIB_PER_ELEMENT,  # 3 groups at 128M
-    DECODER_EXTRA_MIB=test_model.KEY_RMS_MIB,
-    CACHE_ELEMENTS=lambda c, layer: 2 * c.head_dim + 2 * c.n_kv_head * c.lrkv_rank + c.n_head,
-    KEY_WEIGHTS=("W_shared_k", "U_k"),
-    KEY_BUILDERS=test_model.KEY_BUILDERS["lrkv"],
-))
-
-
-@pytest.fixture(params=REFERENCES)
+@pytest.fixture(params=VARIANTS)
 def variant(request, monkeypatch):
-    """One of the variants in the registry, and its entries in test_model.py's tables, for one
-    test: its name."""
-    name, (cls, entries) = request.param, REFERENCES[request.param]
+    """One of the variants above, registered under its --attn name for one test: its name."""
+    name, (cls, reference, legend) = request.param, VARIANTS[request.param]
     monkeypatch.setitem(model.ATTENTION, name, cls)
-    for table, entry in entries.items():
-        monkeypatch.setitem(getattr(test_model, table), name, entry)
+    monkeypatch.setitem(test_model.REFERENCES, name, reference)
+    monkeypatch.setitem(analyze.LEGEND, name, legend)
     return name
 
 
@@ -265,8 +278,8 @@ def runs_on_every_variant(test):
     return any(mark.name == "parametrize" and mark.args[1] is model.ATTENTION for mark in marks)
 
 
-# Every test of test_model.py and test_fast_decode.py parametrized over the registry
-GENERIC_TESTS = [test for module in (test_model, test_fast_decode, test_convert)
+# Every test of test_model.py, test_decode.py and test_convert.py parametrized over the registry
+GENERIC_TESTS = [test for module in (test_model, test_decode, test_convert)
                  for name, test in vars(module).items()
                  if name.startswith("test_") and runs_on_every_variant(test)]
 

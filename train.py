@@ -213,6 +213,9 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
         if device.type == "cpu" and n_params > 100e6:
             print(f"warning: a {n_params / 1e6:.0f}M-parameter model on a CPU takes minutes a step; "
                   "config/demo.py is the preset for CPUs", file=sys.stderr)
+        if cfg.max_steps < cfg.warmup_steps:
+            print(f"warning: max_steps = {cfg.max_steps} is below warmup_steps = {cfg.warmup_steps}: the lr "
+                  f"ends at {lr_multiplier(cfg.max_steps - 1, cfg):.0%} of its peak", file=sys.stderr)
 
     if initial is not None:  # the converted model's loss is the first point of the run's curve
         val_loss, val_bpb = evaluate(model, val_tokens, bytes_per_token, T, micro_batch, autocast, rank,

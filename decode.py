@@ -1,0 +1,293 @@
+"""
+Decoding fast: each variant's optimised single-token step, beside the plain equation it equals,
+and the step on fixed shapes, compiled.
+
+model.py decodes by the plain cached path: KVCache.attend rebuilds every cached position's keys
+and values from the cache (the variant's keys_values) and attends as training does. A new token
+needs less: here a variant's exact single-token step reads the cache as it is. The steps are
+registered by class, explicitly:
+
+    @single_token_step(LowRankKVAttention)
+    def lrkv_step(attn, q, cached, rope, mask): ...
+
+q (B, 1, H, d_qk) is the new token's normalised, rotated query; cached {name: (B, S, *shape)}
+every position's cache entries, the new token's included; rope (S, rope_dim) their RoPE rows;
+mask None (all S visible) or (1, S) bool, the positions the token may see. The step returns the
+attention output (B, 1, H, d_v), before W_o, and must equal reference_step, the plain equation,
+which the tests check at every step of a decode. A subclass inherits its parent's step (looked up
+along the MRO) unless it registers its own, or None: the plain cached path.
+
+GPT.stream runs the plain path; generate(..., step=exact_step) runs every layer through its
+registered step (sample.py and bench.py by default), and step=compiled_decode the same on
+fixed-shape caches under torch.compile (sample.py --compile, bench.py's compiled column).
+"""
+
+import functools
+import math
+
+import torch
+import torch.nn as nn
+
+from model import GPT, KVCache, LowRankKVAttention, MultiHeadLatentAttention, registered
+
+STEPS = {}  # variant class -> its exact single-token step, or None for the plain cached path
+
+
+def single_token_step(cls):
+    """Register the decorated function as the exact single-token step of cls and its subclasses."""
+    def register(step):
+        STEPS[cls] = step
+        return step
+    return register
+
+
+def registered_step(attn):
+    """attn's single-token step: its class's, or the nearest parent's along the MRO; None if none."""
+    return registered(STEPS, attn)
+
+
+def reference_step(attn, q, cached, rope, mask):
+    """What every single-token step computes, by the plain equation: every cached position's keys
+    and values rebuilt (the variant's keys_values), then softmax(q_h . k_{h,s} / sqrt(d_qk)) over
+    the positions that mask allows, applied to the values: (B, 1, H, d_v)."""
+    k, v = attn.keys_values(rope, **cached)  # (B, S, G, d_qk), (B, S, G, d_v)
+    B, _, H, d_qk = q.shape
+    G, S = k.size(2), k.size(1)
+    q = q[:, 0].view(B, G, H // G, d_qk)  # query head g H/G + j reads key/value head g
+    scores = torch.einsum("bgjd,bsgd->bgjs", q, k).reshape(B, H, S) / math.sqrt(d_qk)
+    a = masked_softmax(scores, mask, q.dtype).view(B, G, H // G, S)
+    return torch.einsum("bgjs,bsgd->bgjd", a, v).reshape(B, 1, H, -1)
+
+
+def masked_softmax(scores, mask, dtype):
+    """softmax over the positions that mask (None or (1, S)) allows, of scores (B, H, S), in fp32: a
+    fixed-shape cache's unwritten positions (where LRKV's and MLA's rho is 0) get -inf."""
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+
+
+# -----------------------------------------------------------------------------
+# LRKV: eq. 6 made exact under RoPE, and eq. 7
+
+@single_token_step(LowRankKVAttention)
+def lrkv_step(attn, q, cached, rope, mask):
+    """The scores by key_scores, the values by attend_values: no cached position's key or value built."""
+    scores = key_scores(attn, q, cached["k_shared"], cached["r_k"], cached["rho"], rope)  # (B, H, S)
+    return attend_values(attn, masked_softmax(scores, mask, q.dtype), cached["v_shared"], cached["r_v"])
+
+
+def key_scores_reference(attn, q, k_shared, r_k, rho, rope):
+    """What key_scores computes, by the plain equation: every cached key built (attn.keys), then
+    score_{h,s} = q_h . k_{h,s} / sqrt(d_h). (B, H, S)."""
+    k = attn.keys(k_shared, r_k, rho, rope)  # (B, S, H, d_h)
+    return torch.einsum("bhd,bshd->bhs", q[:, 0], k) / math.sqrt(attn.head_dim)
+
+
+def key_scores(attn, q, k_shared, r_k, rho, rope):
+    """One new token's attention scores over all S cached positions (rope: their rows of the
+    RoPE table), the softmax's input (B, H, S), exact, without building any per-head key.
+    Head h's key at s is Rot_s(K_s + B_h r_{h,s}) / rho_{h,s} (K_h, then the QK norm and RoPE;
+    B_h = B_h^K, r = R^K), so for the normalised, rotated query q_h
+
+        score_{h,s} = [ q_h . Rot_s(K_s) + (B_h^T Rot_s^T q_h) . r_{h,s} ] / rho_{h,s}
+
+    This is the paper's eq. 6, q_h K_h^T = q_h K_shared^T + (q_h B_h^K)(R_h^K)^T, made exact:
+    RoPE does not commute with B_h (a rotation of d_h dims cannot pass into r dims), so the
+    rotation goes into the query side, position by position. The first term is MQA's, over
+    the cached rotated K_shared. In the second, RoPE turns dims i and i' = i + d_h/2 by
+    s theta_i, so with B_h[i] the i-th row of B_h
+
+        B_h^T Rot_s^T q_h = sum_i cos(s theta_i) (q_i B_h[i] + q_i' B_h[i'])
+                                + sin(s theta_i) (q_i B_h[i'] - q_i' B_h[i])
+
+    which for every s and h at once is the (S, d_h) table [cos | sin] times a (d_h, H r)
+    matrix built from q and B^K, one per sequence: a GEMM, the rebuild's S H r d_h
+    multiply-adds without its (S, H, d_h) tensors and their norm and rotation. No exact form
+    does less with this cache: each score needs a d_h-wide rotated residual key of which the
+    cache holds r numbers. The GEMM runs over chunks of positions (_residual_key_scores), so
+    that its (S, H, r) result per sequence, as large as r_k itself, never leaves the caches."""
+    H, d_h, r, half = attn.n_head, attn.head_dim, attn.lrkv_rank, attn.head_dim // 2
+    q = q[:, 0] / math.sqrt(d_h)  # (N, H, d_h), the softmax's scale taken in
+    N = q.size(0)  # the batch size: B is B_h here
+    # dims i and i' = i + d_h/2 of q_h, and rows i and i' of B_h
+    q1, q2 = q.view(N, H, 2, half).permute(2, 3, 0, 1).unsqueeze(-1)  # (d_h/2, N, H, 1)
+    Bk1, Bk2 = attn.B_k.view(H, 2, half, r).permute(1, 2, 0, 3).unsqueeze(2)  # (d_h/2, 1, H, r)
+    M = torch.stack((q1 * Bk1 + q2 * Bk2, q1 * Bk2 - q2 * Bk1))  # (2, d_h/2, N, H, r): cos, sin terms
+    M = M.view(d_h, N, H * r).transpose(0, 1)  # (N, d_h, H r): rope[s] @ M[n] is every B_h^T Rot_s^T q_h
+    residual_term = _residual_key_scores(rope.to(q.dtype), M, r_k)  # (N, S, H)
+    return torch.baddbmm(residual_term.transpose(1, 2), q, k_shared.transpose(1, 2)) / rho.transpose(1, 2)
+
+
+def _residual_key_scores(rope, M, r_k):
+    """(B_h^T Rot_s^T q_h) . r_{h,s} for every sequence n, position s and head h: (N, S, H),
+    from the RoPE rows rope (S, d_h), M (N, d_h, H r) and r_k (N, S, H, r). All at once, the
+    product rope @ M[n] would be an (N, S, H, r) tensor written to memory and read back, as
+    large as r_k (145 MB at N = 16, S = 8,192, 128M, fp32): on a CPU that traffic, not the
+    GEMM, took most of the time. Per chunk of positions it holds 4 MB on a CPU, which stays in
+    the caches (the L3 here holds 32 MB) between the GEMM and the dot product with r_k, and r_k
+    is read once, in its own layout. A GPU gets 32 MB chunks, a few per step, each a few kernel
+    launches (an H200's L2 holds 50 MB)."""
+    N, S, H, r = r_k.shape
+    chunk_bytes = 2**25 if r_k.is_cuda else 2**22
+    chunk = max(1, chunk_bytes // (N * H * r * r_k.element_size()))
+    # the dot product over r in place in the GEMM's fresh result: no second chunk-sized tensor
+    return torch.cat([(rope[s:s + chunk] @ M).view(N, -1, H, r).mul_(r_k[:, s:s + chunk]).sum(-1)
+                      for s in range(0, S, chunk)], dim=1)
+
+
+def attend_values_reference(attn, a, v_shared, r_v):
+    """What attend_values computes, by the plain equation: every head's cached V_h built
+    (attn.values), then a_h V_h. (B, 1, H, d_h)."""
+    return torch.einsum("bhs,bshd->bhd", a, attn.values(v_shared, r_v)).unsqueeze(1)
+
+
+def attend_values(attn, a, v_shared, r_v):
+    """One new token's output (B, 1, H, d_h) from its attention a (B, H, S) over the cached
+    values, by eq. 7: a_h V_h = a_h V_shared + (a_h R_h^V) (B_h^V)^T, as two products so that
+    V_shared is never copied per head, B_h^V applied once, to the result. The a_h R_h^V are
+    one GEMM with r_v in its own layout, (H, S) by (S, H r) per sequence, of which head h keeps
+    its own r columns: a per-head gather of r_v (einsum's) would copy all of it, 145 MB at
+    B = 16, S = 8,192, 128M, fp32, where the GEMM's H-fold work is one pass over r_v at a
+    GEMM's speed."""
+    B, H, _ = a.shape
+    y_shared = (a @ v_shared).unsqueeze(1)  # (B, 1, H, d_h)
+    y_all = (a @ r_v.flatten(2)).view(B, H, H, attn.lrkv_rank)  # every head by every head's R_h^V
+    heads = torch.arange(H, device=a.device)
+    y_res = y_all[:, heads, heads].unsqueeze(1)  # (B, 1, H, r): a_h R_h^V
+    return y_shared + attn.residual(y_res, attn.B_v)
+
+
+# -----------------------------------------------------------------------------
+# MLA: W_up^K absorbed into the query, W_up^V applied to the attended latent
+
+@single_token_step(MultiHeadLatentAttention)
+def mla_step(attn, q, cached, rope, mask):
+    """a_h V_h = (a_h c) W_up,h^V exactly: W_up^V applied once, to the attended latent."""
+    y = latent_attention(attn, q, cached["c"], cached["k_rope"], cached["rho"], mask)  # (B, 1, H, d_c)
+    W_up_v = attn.W_up_v.weight.view(attn.n_head, attn.head_dim, attn.kv_lora_rank)
+    return torch.einsum("bthc,hdc->bthd", y, W_up_v)
+
+
+def latent_attention_reference(attn, q, c, k_rope, rho, mask):
+    """What latent_attention computes, by the plain equation: every cached key built and divided
+    by its cached RMS, then softmax(q_h . k_{h,s} / sqrt(d_h + d_R)) applied to the latent.
+    (B, 1, H, d_c)."""
+    k = attn.keys(c, k_rope) / rho.unsqueeze(-1)  # (B, S, H, d_h + d_R)
+    scores = torch.einsum("bhd,bshd->bhs", q[:, 0], k) / math.sqrt(attn.qk_dim)
+    return (masked_softmax(scores, mask, q.dtype) @ c).unsqueeze(1)
+
+
+def latent_attention(attn, q, c, k_rope, rho, mask):
+    """One new token's attention over all S cached positions, exact, without building any key.
+    Head h's key at s is [c_s W_up,h^K | k_R,s] / rho_{h,s}, rho the RMS of that concatenation,
+    cached when s was new, so for the normalised, rotated query q_h = [q_h^nope | q_h^R]
+
+        score_{h,s} = [ (q_h^nope (W_up,h^K)^T) . c_s + q_h^R . k_R,s ] / rho_{h,s}
+
+    The first term is absorbed into the latent, as DeepSeek-V2 absorbs it: the scores cost
+    d_c + d_R per head and position instead of d_h + d_R, and read only the cache. Without
+    the cached rho, every step would apply W_up^K to the whole cache again (S d_c H d_h
+    multiply-adds), just for the norm. Returns a_h c: (B, 1, H, d_c)."""
+    H, d_h = attn.n_head, attn.head_dim
+    q_nope, q_rope = q[:, 0].split((d_h, attn.rope_dim), dim=-1)  # (B, H, d_h), (B, H, d_R)
+    W_up_k = attn.W_up_k.weight.view(H, d_h, attn.kv_lora_rank)
+    q_latent = (q_nope.unsqueeze(2) @ W_up_k).squeeze(2)  # (B, H, d_c)
+    rope_term = q_rope @ k_rope[:, :, 0].transpose(1, 2)  # (B, H, S)
+    scores = torch.baddbmm(rope_term, q_latent, c.transpose(1, 2))  # (B, H, S)
+    scores = scores / (rho.transpose(1, 2) * math.sqrt(attn.qk_dim))
+    return (masked_softmax(scores, mask, q.dtype) @ c).unsqueeze(1)
+
+
+# -----------------------------------------------------------------------------
+# The caches that run the steps, and GPT.stream's steps over them
+
+class ExactKVCache(KVCache):
+    """A KVCache over the buffers of another (one a prefill has filled), from its position on,
+    whose single new token attends through its variant's registered step; a chunk, or a variant
+    without a step, takes the plain cached path."""
+
+    def __init__(self, cache):
+        nn.Module.__init__(self)
+        self.pos, self.max_len, self.rope = cache.pos, cache.max_len, cache.rope
+        for name, buf in cache.named_buffers():
+            self.register_buffer(name, buf, persistent=False)
+
+    def attend(self, attn, q, new):
+        step = registered_step(attn)
+        if step is None or q.size(1) > 1:
+            return super().attend(attn, q, new)
+        cached = self.update(**new)
+        return step(attn, q, cached, self.rope[:self.pos], None)
+
+
+class FixedKVCache(ExactKVCache):
+    """An ExactKVCache behind shapes that no longer change, for torch.compile: pos is a (1,)
+    tensor that every layer's cache shares, update writes the one new token there and returns
+    the whole buffers, and the token attends over all max_len positions through its variant's
+    step, or reference_step, those past pos masked. The cost of a step no longer depends on its
+    position."""
+
+    def __init__(self, cache, pos):
+        super().__init__(cache)
+        self.pos = pos
+        for buf in self.buffers():
+            torch._dynamo.mark_static_address(buf)  # a CUDA graph may keep its address
+
+    def next_rope(self, T):
+        if T != 1:
+            raise ValueError(f"a fixed-shape cache takes one token a step, not {T}")
+        return self.rope[self.pos]  # (1, rope_dim)
+
+    def update(self, **new):
+        for name, x in new.items():
+            getattr(self, name).index_copy_(1, self.pos, x.to(getattr(self, name).dtype))
+        return {name: getattr(self, name).to(x.dtype) for name, x in new.items()}
+
+    def attend(self, attn, q, new):
+        mask = (torch.arange(self.max_len, device=self.pos.device) <= self.pos)[None]  # (1, max_len)
+        step = registered_step(attn) or reference_step
+        return step(attn, q, self.update(**new), self.rope, mask)
+
+
+def exact_step(model, token, caches):
+    """GPT.stream's step through every layer's registered single-token step: the last logits
+    (B, vocab) of token (B, 1). Caches that a prefill has just filled become ExactKVCaches over
+    the same buffers, in place in the list that stream passes every step."""
+    if not isinstance(caches[0], ExactKVCache):
+        caches[:] = [ExactKVCache(cache) for cache in caches]
+    return model.last_logits(token, caches)
+
+
+def fix(caches):
+    """Fixed-shape caches over the buffers of caches that a prefill has filled, from their position
+    on."""
+    pos = torch.tensor([caches[0].pos], device=caches[0].rope.device)
+    return [FixedKVCache(cache, pos) for cache in caches]
+
+
+@functools.cache
+def compiled_fixed_step():
+    """GPT.last_logits compiled, one step for every model and cache of the same shapes (fixed ones:
+    the same at every position): torch.compile lifts modules' weights and buffers into graph
+    inputs, so new caches reuse the graph. On a GPU,
+    "reduce-overhead" replays it as a CUDA graph, one launch for the whole step. Made on first use:
+    importing torch.compile's machinery costs a process about 2 s on a CPU, which sample.py
+    without --compile need not pay."""
+    return torch.compile(GPT.last_logits, mode="reduce-overhead" if torch.cuda.is_available() else None)
+
+
+def compiled_step(model, token, caches):
+    return compiled_fixed_step()(model, token, caches)
+
+
+def compiled_decode(model, token, caches):
+    """GPT.stream's step, compiled: caches that a prefill has just filled are fixed on their first
+    step, in place in the list that stream passes every step, then the compiled step runs and the
+    shared position moves on."""
+    if not isinstance(caches[0], FixedKVCache):
+        caches[:] = fix(caches)
+    # contiguous: a column of stream's growing idx has a new stride at every step, which recompiles
+    logits = compiled_step(model, token.contiguous(), caches)
+    caches[0].pos += 1
+    return logits

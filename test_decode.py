@@ -1,0 +1,172 @@
+"""Tests of decode.py: every registered single-token step equals the plain equation at every step of
+a decode, builds no cached position's key, and decodes what the full forward gives; the fixed-shape
+step gives the eager step's logits, is one graph at every position, and compiled by inductor gives
+eager's tokens through GPT.stream's step, past the model's context too."""
+
+import pytest
+import torch
+
+import decode
+from decode import ExactKVCache, compiled_decode, compiled_step, exact_step, fix
+from model import ATTENTION, GPT, LowRankKVAttention
+from test_model import REFERENCES, TINY, cropped_greedy, small_key_model, tiny_model, token_by_token
+
+
+def exact_steps(model, idx, prefix, dtype=torch.float32):
+    """idx's logits from position prefix on, each token after a prompt through its variant's
+    single-token step (ExactKVCache)."""
+    return token_by_token(model, idx, prefix, dtype, lambda caches: [ExactKVCache(cache) for cache in caches])
+
+
+def fixed_steps(model, idx, prefix, step):
+    """idx's logits from position prefix on: a prompt of prefix tokens, then each token through
+    step(model, token, caches) on fixed-shape caches, advancing their shared position."""
+    caches = model.new_caches(idx.size(0), idx.size(1), dtype=torch.float32)
+    model(idx[:, :prefix], caches=caches)
+    caches = fix(caches)
+    logits = []
+    for t in range(prefix, idx.size(1)):
+        logits.append(step(model, idx[:, t:t + 1], caches))
+        caches[0].pos += 1
+    return torch.stack(logits, dim=1)
+
+
+@pytest.mark.parametrize("attn", ATTENTION)
+def test_every_registered_step_equals_its_plain_reference_at_every_step(attn, monkeypatch):
+    """A variant's registered step gives what reference_step, the plain equation, gives, on the
+    arguments of every step of a decode, and so does each optimised piece it calls (a function of
+    decode.py with a `<name>_reference` beside it: LRKV's key_scores and attend_values, MLA's
+    latent_attention). A variant with no registered step has nothing to compare."""
+    model = tiny_model(attn, block_size=64)
+    step = decode.registered_step(model.blocks[0].attn)
+    compared = []
+
+    def checked(name, fast, plain):
+        def both(*args):
+            got = fast(*args)
+            torch.testing.assert_close(got, plain(*args), atol=1e-5, rtol=1e-5)
+            compared.append(name)
+            return got
+        return both
+
+    if step is not None:
+        whole = checked("step", step, decode.reference_step)
+        monkeypatch.setattr(decode, "registered_step", lambda attn: whole)
+        for name in [name.removesuffix("_reference") for name in vars(decode) if name.endswith("_reference")]:
+            monkeypatch.setattr(decode, name, checked(name, getattr(decode, name),
+                                                      getattr(decode, name + "_reference")))
+    idx = torch.randint(0, TINY.vocab_size, (2, 40))
+    with torch.no_grad():
+        exact_steps(model, idx, 8)
+    assert compared.count("step") == (0 if step is None else 32 * TINY.n_layer), \
+        f"--attn={attn}: its registered step ran {compared.count('step')} times in 32 steps of 2 layers"
+
+
+@pytest.mark.parametrize("attn", ATTENTION)
+def test_exact_steps_give_the_plain_steps_logits(attn):
+    """Over 64 positions in fp32 (test_model.py checks the plain steps against a chunk and the full
+    forward), and against the full forward in bf16 with small keys."""
+    model = tiny_model(attn, block_size=64)
+    idx = torch.randint(0, TINY.vocab_size, (2, 64))
+    with torch.no_grad():
+        assert (exact_steps(model, idx, 8) - token_by_token(model, idx, 8)).abs().max() < 1e-5
+        model = small_key_model(attn)
+        full, stepped = model(idx[:, :24])[0][:, 8:], exact_steps(model, idx[:, :24], 8, torch.bfloat16)
+    assert (stepped - full).norm() / full.norm() < 2e-2
+
+
+@pytest.mark.parametrize("attn", ATTENTION)
+def test_single_token_steps_build_keys_of_their_own_token_only(attn, monkeypatch):
+    """A single-token step builds its own token's per-head keys and no cached position's: those
+    that MHA, GQA and MQA cache, and those LRKV and MLA build for the key RMS that they cache, where
+    a cached position's are never built (LRKV's R_h^K (B_h^K)^T, MLA's c W_up,h^K, which the query
+    absorbs)."""
+    model = tiny_model(attn, block_size=64)
+    positions = []
+    for block in model.blocks:
+        owner, name, count = REFERENCES[attn].key_builder(block.attn)
+
+        def spied(*args, build=getattr(owner, name), count=count):
+            if count(*args) is not None:
+                positions.append(count(*args))
+            return build(*args)
+        monkeypatch.setattr(owner, name, spied)
+    idx = torch.randint(0, TINY.vocab_size, (2, 64))
+    with torch.no_grad():
+        caches = model.new_caches(2, 64, dtype=torch.float32)
+        model(idx[:, :8], caches=caches)
+        positions.clear()
+        for t in range(8, 64):
+            exact_step(model, idx[:, t:t + 1], caches)
+    assert positions == [1] * 56 * TINY.n_layer, f"--attn={attn} built keys of {positions[:4]}... positions"
+
+
+@pytest.mark.parametrize("attn", ATTENTION)
+def test_greedy_generation_through_exact_steps_is_the_uncached_argmax_loop(attn):
+    """generate(step=exact_step) gives the greedy tokens of a full forward per token, the context
+    cropped as GPT.stream documents, over more than twice block_size. In float64: no near-tie
+    between two logits can make a token differ."""
+    model = tiny_model(attn).double()
+    prompt = torch.randint(0, TINY.vocab_size, (2, 5))
+    n = 2 * TINY.block_size + 20
+    expected = cropped_greedy(model, prompt, n)
+    assert torch.equal(model.generate(prompt, n, temperature=0, step=exact_step), expected)
+
+
+def test_a_subclass_inherits_its_parents_step_unless_it_registers_its_own(monkeypatch):
+    class Inheriting(LowRankKVAttention):
+        pass
+
+    class Plain(LowRankKVAttention):
+        pass
+
+    monkeypatch.setitem(decode.STEPS, Plain, None)
+    config = TINY.__class__(**{**vars(TINY), "attn": "lrkv"})
+    assert decode.registered_step(Inheriting(config, 0)) is decode.lrkv_step
+    assert decode.registered_step(Plain(config, 0)) is None
+
+
+@pytest.mark.parametrize("attn", ATTENTION)
+def test_fixed_shape_steps_equal_the_full_forward(attn):
+    """Every step attends over the whole max_len cache, the positions not yet written masked."""
+    model = tiny_model(attn)
+    idx = torch.randint(0, TINY.vocab_size, (2, 24))
+    with torch.no_grad():
+        full = model(idx)[0]
+        stepped = fixed_steps(model, idx, 6, GPT.last_logits)
+    assert (stepped - full[:, 6:]).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("attn", ATTENTION)
+def test_the_fixed_shape_step_is_one_graph_at_every_position(attn):
+    """Captured whole (fullgraph) and never recompiled as the position moves: the step that
+    compiled_step compiles, traced here by dynamo without inductor's code generation."""
+    model = tiny_model(attn)
+    idx = torch.randint(0, TINY.vocab_size, (2, 24))
+    torch._dynamo.reset()
+    traced = torch.compile(GPT.last_logits, backend="aot_eager", fullgraph=True)
+    with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+        assert torch.equal(fixed_steps(model, idx, 6, traced), fixed_steps(model, idx, 6, GPT.last_logits))
+        fixed_steps(model, idx, 9, traced)  # new caches, another starting position: the same graph
+
+
+@pytest.mark.parametrize("attn", ["mha", "lrkv"])
+def test_compiled_generation_is_eager_generation(attn):
+    """generate(step=compiled_decode), inductor's code and all, gives eager's greedy tokens, past
+    the context too, where each new start's caches are fixed again and reuse the graph; and the
+    same logits to fp32 rounding. The tokens in float64: in fp32 two logits of a random model can
+    lie closer than the two paths' rounding differences, and one flipped argmax changes all
+    that follows (seen with AVX2 kernels)."""
+    model = tiny_model(attn).double()
+    prompt = torch.randint(0, TINY.vocab_size, (2, 5))
+    n = 2 * TINY.block_size + 20
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = model.generate(prompt, n, temperature=0, step=compiled_decode)
+    assert torch.equal(compiled, model.generate(prompt, n, temperature=0))
+    model = model.float()
+    idx = torch.randint(0, TINY.vocab_size, (2, 24))
+    with torch.no_grad():
+        compiled = fixed_steps(model, idx, 6, compiled_step)
+        eager = fixed_steps(model, idx, 6, GPT.last_logits)
+    assert (compiled - eager).abs().max() < 1e-5
