@@ -22,13 +22,20 @@ from model import GPT, MultiHeadLatentAttention, registered
 def head_qk_weights(model):
     """Per layer, (Wq, Wk), each (H, d, d_qk): head h's query is x @ Wq[h] and its key x @ Wk[h],
     before the QK norm and RoPE. The keys are a variant's HEAD_KEY_WEIGHTS where it registers them
-    (by class, as convert.py's), else its per-head projections (convert.head_kv_weights)."""
+    (by class, as convert.py's), else its class's own head_key_weights() where it defines one (a
+    variant written in model.py, which cannot import this file), else its per-head projections
+    (convert.head_kv_weights)."""
     weights = []
     for block in model.blocks:
         attn = block.attn
         Wq = attn.W_q.weight.view(attn.n_head, attn.qk_dim, -1).transpose(1, 2)
         key_weights = registered(HEAD_KEY_WEIGHTS, attn)
-        Wk = key_weights(attn) if key_weights else head_kv_weights(attn, model.config.attn)[0].mT
+        if key_weights is not None:
+            Wk = key_weights(attn)
+        elif hasattr(attn, "head_key_weights"):
+            Wk = attn.head_key_weights()
+        else:
+            Wk = head_kv_weights(attn, model.config.attn)[0].mT
         weights.append((Wq.detach().clone(), Wk.detach().clone()))
     return weights
 

@@ -370,7 +370,8 @@ def precision_line(cfg, device, dtype, ns_dtype):
     """What the run computes in and why: for each use, the policy's reason, or the flag that set it."""
     uses = [("bf16 autocast" if dtype == "bfloat16" else "fp32", "train", cfg.dtype, "--dtype")]
     if ns_dtype is not None:
-        uses.append((f"Newton-Schulz in {PRECISION_NAMES[ns_dtype]}", "newton_schulz", cfg.ns_dtype, "--ns_dtype"))
+        ns = f"Newton-Schulz in {PRECISION_NAMES[ns_dtype]}"
+        uses.append((ns, "newton_schulz", cfg.ns_dtype, "--ns_dtype"))
     return ", ".join(f"{what} ({precision(use, device)[1] if value == 'auto' else flag})"
                      for what, use, value, flag in uses)
 
