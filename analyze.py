@@ -30,10 +30,10 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from checkpoint import check_writable, load_checkpoint, read_log
-from configurator import ArgumentParser, ConfigError
-from convert import CALIBRATION_TOKENS, attention_input_covariances, head_kv_weights, shared_plus_low_rank
-from diversity import layer_ranks, similarities
+from lib.checkpoint import check_writable, load_checkpoint, read_log
+from lib.configurator import ArgumentParser, ConfigError
+from lib.convert import CALIBRATION_TOKENS, attention_input_covariances, head_kv_weights, shared_plus_low_rank
+from lib.diversity import layer_ranks, similarities
 from prepare_data import TrainBatches, atomic_open, read_shard, shard_paths, write_atomic
 
 

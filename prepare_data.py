@@ -36,7 +36,7 @@ import torch
 from tiktoken_ext.openai_public import r50k_pat_str
 from tqdm import tqdm
 
-from configurator import ArgumentParser, ConfigError, check_fields
+from lib.configurator import ArgumentParser, ConfigError, check_fields
 
 MAGIC = b"LRKVTOK\0"
 VERSION = 1

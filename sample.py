@@ -22,11 +22,11 @@ import time
 
 import torch
 
-from decode import compiled_decode, exact_step
+from lib.decode import compiled_decode, exact_step
 from prepare_data import get_tokenizer
-from checkpoint import load_checkpoint
-from configurator import ArgumentParser, ConfigError, seed
-from hardware import DEVICES, pick_device, precision
+from lib.checkpoint import load_checkpoint
+from lib.configurator import ArgumentParser, ConfigError, seed
+from lib.hardware import DEVICES, pick_device, precision
 
 
 def positive_int(text):

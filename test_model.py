@@ -10,7 +10,8 @@ from typing import Callable
 import pytest
 import torch
 
-import diversity
+from lib import diversity
+
 from model import ATTENTION, GPT, GPTConfig, GroupedQueryAttention, norm
 from model import rms as cached_rms
 

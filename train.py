@@ -31,16 +31,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import configurator
-from checkpoint import (EVALS, WriteError, checkpoint_dict, claim_out_dir, load_checkpoint,
+from lib import configurator
+
+from lib.checkpoint import (EVALS, WriteError, checkpoint_dict, claim_out_dir, load_checkpoint,
                         load_resume_checkpoint, log, log_eval, restore, save_checkpoint, start_log)
-from configurator import SEED_LIMIT, ConfigError
-from convert import CALIBRATION_TOKENS, distill_loss, load_init_checkpoint
-from diversity import weight_ranks
-from hardware import PRECISION_NAMES, check_device, forced_precision, peak_flops, pick_device, precision
+from lib.configurator import SEED_LIMIT, ConfigError
+from lib.convert import CALIBRATION_TOKENS, distill_loss, load_init_checkpoint
+from lib.diversity import weight_ranks
+from lib.hardware import PRECISION_NAMES, check_device, forced_precision, peak_flops, pick_device, precision
 from model import GPT, GPTConfig
-from muon import Muon
-from parallel import gathered, no_sync, parallelize, process_group, world
+from lib.muon import Muon
+from lib.parallel import gathered, no_sync, parallelize, process_group, world
 from prepare_data import TOKENIZERS, TrainBatches, load_meta, read_shards, token_bytes
 
 

@@ -3,7 +3,7 @@
 # of MHA's). GPT.get_num_params() counts 6.85B for MHA and 6.28B for LRKV (docs/scaling.md).
 # Training: the paper's recipe (train.py's defaults) for 50B tokens. Whole fp32 weights, gradients,
 # DDP's copy of them and Muon's state do not fit a GPU beside the activations: shard them with
-# --fsdp; `python plan.py config/6.3b.py` says what fits on your GPUs.
+# --fsdp; `python -m tools.plan config/6.3b.py` says what fits on your GPUs.
 n_layer = 32
 n_head = 32
 n_embd = 4096

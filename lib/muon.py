@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from hardware import precision
+from lib.hardware import precision
 
 
 class Muon(torch.optim.Optimizer):

@@ -22,15 +22,19 @@ import torch
 import torch.nn.functional as F
 from pydoc_data.topics import topics
 
-import checkpoint
-import convert
-import hardware
-import muon
+from lib import checkpoint
+
+from lib import convert
+
+from lib import hardware
+
+from lib import muon
+
 import prepare_data
 import train
 from model import GPT, GPTConfig
 
-REPO = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]  # the repository, above tests/
 STEPS, STOP = 12, 5
 TINY = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, head_dim=16, n_embd=32, attn="lrkv",
             lrkv_rank=4, batch_size=4, micro_batch_size=2, max_steps=STEPS, warmup_steps=2,
@@ -259,7 +263,7 @@ def muon_steps():
 def test_muon_sharded_over_two_gloo_processes_matches_one(tmp_path):
     (tmp_path / "shard.py").write_text(f"""
 import sys, torch, torch.distributed as dist
-sys.path.insert(0, {str(REPO)!r})
+sys.path[:0] = [{str(REPO)!r}, {str(REPO / "tests")!r}]
 import test_train
 dist.init_process_group("gloo")
 torch.save(test_train.muon_steps(), {str(tmp_path)!r} + f"/rank{{dist.get_rank()}}.pt")
@@ -287,7 +291,8 @@ def test_a_kill_while_saving_keeps_the_previous_checkpoint(tmp_path):
     checkpoint.save_checkpoint(path, {"step": 1, "w": torch.ones(3)})
     # the child writes part of the new checkpoint, says so, and waits to be killed
     child = subprocess.Popen([sys.executable, "-c", f"""
-import io, time, torch, checkpoint
+import io, time, torch
+from lib import checkpoint
 from pathlib import Path
 real_save = torch.save
 def half_save(obj, f):

@@ -13,12 +13,12 @@
 # a run cut short keeps what it measured (a training run, its last evaluation's checkpoint, which
 # analyze.py then reads). nvidia-smi's process list shows whether anything else shared the GPU.
 #
-#     ./bench_gpu.sh [out_dir]             # out_dir: default $OUT, else out/gpu
-#     TINY=1 ./bench_gpu.sh /tmp/try       # the same steps at toy sizes on a CPU, in a few minutes
+#     tools/bench_gpu.sh [out_dir]             # out_dir: default $OUT, else out/gpu
+#     TINY=1 tools/bench_gpu.sh /tmp/try       # the same steps at toy sizes on a CPU, in a few minutes
 set -uo pipefail
 case "${1:-}" in -*) echo "bench_gpu.sh: the only argument is the output folder (got $1)" >&2; exit 2 ;; esac
 out=$(realpath -m -- "${1:-${OUT:-out/gpu}}")
-cd "$(dirname "$0")"
+cd "$(dirname "$0")/.."  # the repository's root
 mkdir -p "$out"
 python=${PYTHON:-python3}
 gpus() { command -v nvidia-smi >/dev/null && nvidia-smi --query-compute-apps=pid,name,used_memory --format=csv >>"$out/gpu_processes.txt" 2>&1; true; }
@@ -56,9 +56,9 @@ figures() {
 figures 2>&1 | tee "$out/figures.log"
 echo "figures: exit ${PIPESTATUS[0]}" | tee -a "$out/figures.log"
 gpus
-timeout 200 "$python" bench.py "${bench[@]}" "${decode[@]}" --only=decode --check --peaks \
+timeout 200 "$python" -m tools.bench "${bench[@]}" "${decode[@]}" --only=decode --check --peaks \
   --out="$out/decode.json" 2>&1 | tee "$out/decode.log"
 echo "decoding: exit ${PIPESTATUS[0]}" | tee -a "$out/decode.log"
 gpus
-timeout 60 "$python" bench.py "${bench[@]}" --only=train --attn=lrkv --out="$out/train.json" 2>&1 | tee "$out/train.log"
+timeout 60 "$python" -m tools.bench "${bench[@]}" --only=train --attn=lrkv --out="$out/train.json" 2>&1 | tee "$out/train.log"
 echo "training: exit ${PIPESTATUS[0]}" | tee -a "$out/train.log"

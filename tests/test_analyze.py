@@ -15,9 +15,12 @@ import pytest
 import torch
 
 import analyze
-import checkpoint
-import convert
-import diversity
+from lib import checkpoint
+
+from lib import convert
+
+from lib import diversity
+
 import prepare_data
 import train
 from model import GPT, GPTConfig
@@ -210,7 +213,7 @@ def test_model_size_labels():
 
 def run_cli(*args):
     command = [sys.executable, "analyze.py", *map(str, args)]
-    return subprocess.run(command, cwd=Path(__file__).parent, capture_output=True, text=True)
+    return subprocess.run(command, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True)
 
 
 class RunsCode:

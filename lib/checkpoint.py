@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from configurator import ConfigError, check_fields
+from lib.configurator import ConfigError, check_fields
 from model import GPT, GPTConfig
-from parallel import gathered, shard_like
+from lib.parallel import gathered, shard_like
 from prepare_data import atomic_open, write_atomic
 
 

@@ -7,7 +7,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-import convert
+from lib import convert
+
 from model import ATTENTION, GPT
 from test_model import TINY, tiny_model
 

@@ -18,10 +18,14 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torch.profiler import ProfilerActivity, profile
 
 import analyze
-import hardware
-import muon
-import parallel
-import plan
+from lib import hardware
+
+from lib import muon
+
+from lib import parallel
+
+from tools import plan
+
 import sample
 import train
 from model import GPT
@@ -143,7 +147,7 @@ def two_processes(data_dir, tmp_path_factory):
     (out / "launch.py").write_text(f"""
 import sys
 from pathlib import Path
-sys.path.insert(0, {str(REPO)!r})
+sys.path[:0] = [{str(REPO)!r}, {str(REPO / "tests")!r}]
 import test_fsdp
 sys.exit(test_fsdp.launched({str(data_dir)!r}, Path({str(out)!r})))
 """)

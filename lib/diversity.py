@@ -14,7 +14,7 @@ import math
 import numpy as np
 import torch
 
-from convert import head_kv_weights
+from lib.convert import head_kv_weights
 from model import GPT, MultiHeadLatentAttention, registered
 
 

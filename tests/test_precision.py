@@ -13,13 +13,17 @@ import pytest
 import torch
 
 import analyze
-import bench
-import configurator
-import hardware
-import muon
+from tools import bench
+
+from lib import configurator
+
+from lib import hardware
+
+from lib import muon
+
 import sample
 import train
-from checkpoint import load_checkpoint
+from lib.checkpoint import load_checkpoint
 from test_sample import SEPARATOR, reference
 from test_train import data_dir, flags, records  # noqa: F401 (data_dir is a fixture)
 

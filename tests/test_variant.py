@@ -20,10 +20,14 @@ import torch
 import torch.nn as nn
 
 import analyze
-import bench
-import convert
-import decode
-import diversity
+from tools import bench
+
+from lib import convert
+
+from lib import decode
+
+from lib import diversity
+
 import model
 import test_analyze
 import test_convert

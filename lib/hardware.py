@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from configurator import ConfigError
+from lib.configurator import ConfigError
 
 PRECISION_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 

@@ -6,8 +6,9 @@ eager's tokens through GPT.stream's step, past the model's context too."""
 import pytest
 import torch
 
-import decode
-from decode import ExactKVCache, compiled_decode, compiled_step, exact_step, fix
+from lib import decode
+
+from lib.decode import ExactKVCache, compiled_decode, compiled_step, exact_step, fix
 from model import ATTENTION, GPT, LowRankKVAttention
 from test_model import REFERENCES, TINY, cropped_greedy, small_key_model, tiny_model, token_by_token
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from checkpoint import load_checkpoint
-from configurator import ConfigError
+from lib.checkpoint import load_checkpoint
+from lib.configurator import ConfigError
 from model import GPT, GroupedQueryAttention, LowRankKVAttention, MultiHeadLatentAttention, registered
 
 # train.py --init_from's default calibration (its --calibration_tokens), which analyze.py's

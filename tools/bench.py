@@ -23,11 +23,11 @@ the caches grow by one position a step and on a GPU every step pays its kernel l
 compiled, the step runs on fixed shapes (decode.py: the whole cache under a position mask),
 as one CUDA graph on a GPU; the seconds its compiling takes are reported apart.
 
-    python bench.py --preset=cpu
-    python bench.py --preset=cpu --only=decode --decode_batch=1,16 --contexts=2048,8192
-    OMP_NUM_THREADS=1 python bench.py --only=decode --decode_batch=1,16 --contexts=2048,8192 \
+    python -m tools.bench --preset=cpu
+    python -m tools.bench --preset=cpu --only=decode --decode_batch=1,16 --contexts=2048,8192
+    OMP_NUM_THREADS=1 python -m tools.bench --only=decode --decode_batch=1,16 --contexts=2048,8192 \
         --dtype=float32 --random_caches --no-compiled_decode --new_tokens=4 --peaks  # docs/decoding.md
-    python bench.py --preset=128m --device=cuda --check --out=bench_gpu.json
+    python -m tools.bench --preset=128m --device=cuda --check --out=bench_gpu.json
 
 With --peaks, first the two ceilings of a roofline (measure_peaks): a square matmul's FLOP/s and
 the bandwidth of reading a tensor much larger than the caches.
@@ -54,10 +54,10 @@ import torch
 from torch.autograd import DeviceType
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from checkpoint import check_writable
-from configurator import ArgumentParser, ConfigError
-from decode import ExactKVCache, compiled_step, exact_step, fix
-from hardware import DEVICES, PRECISION_NAMES, USES, peak_flops, pick_device, precision
+from lib.checkpoint import check_writable
+from lib.configurator import ArgumentParser, ConfigError
+from lib.decode import ExactKVCache, compiled_step, exact_step, fix
+from lib.hardware import DEVICES, PRECISION_NAMES, USES, peak_flops, pick_device, precision
 from model import ATTENTION, GPT, GPTConfig
 from prepare_data import atomic_open
 from train import TrainConfig, configure_optimizers, optimizer_step

@@ -3,15 +3,12 @@ a row per variant. What it measures is not asserted: timings belong to the machi
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-import bench
+from tools import bench
+
 from model import ATTENTION, GPT, GPTConfig
 
 
@@ -26,16 +23,16 @@ def positive_numbers(row, *keys):
     return all(isinstance(row[k], (int, float)) and math.isfinite(row[k]) and row[k] > 0 for k in keys)
 
 
-def test_tiny_bench_writes_a_row_per_variant(tmp_path):
+def test_tiny_bench_writes_a_row_per_variant(tmp_path, capsys):
     out = tmp_path / "bench.json"
     # one thread: on a busy machine, threads waiting for each other at every tiny op take seconds
-    run = subprocess.run(
-        [sys.executable, "bench.py", "--preset=tiny", "--device=cpu", "--check", "--no-compiled_decode",
-         f"--out={out}"],
-        cwd=Path(__file__).parent, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-        timeout=120,
-    )
-    assert run.returncode == 0, run.stderr
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        bench.main(["--preset=tiny", "--device=cpu", "--check", "--no-compiled_decode", f"--out={out}"])
+    finally:
+        torch.set_num_threads(threads)
+    stdout = capsys.readouterr().out
     result = strict_json(out.read_text())
     assert list(result["variants"]) == list(ATTENTION)
     assert not list(tmp_path.glob("*.tmp"))
@@ -58,7 +55,7 @@ def test_tiny_bench_writes_a_row_per_variant(tmp_path):
         assert positive_numbers(row["uncached"], "cached_ms_per_token", "uncached_ms_per_token", "speedup")
         # a difference of two timings: noise can make it < 0
         assert math.isfinite(row["uncached"]["cached_ms_per_step"])
-        assert f"| {name} |" in run.stdout
+        assert f"| {name} |" in stdout
     mha = result["variants"]["mha"]
     assert mha["train"]["x_mha"] == 1 and all(d["x_mha"] == 1 for d in mha["decode"])
     config = result["config"]

@@ -3,9 +3,9 @@ What a train.py run needs of each GPU, and how long it takes, before any GPU is 
 and under FSDP (train.py --fsdp), each with and without --checkpoint_activations, for every
 attention variant of one configuration.
 
-    python plan.py config/6.3b.py --gpus=8 --gpu_memory_gib=141
-    python plan.py --sizes --attn=lrkv --gpu_memory_gib=80,141     # Table 1's four sizes, a row each
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 plan.py config/demo.py \\
+    python -m tools.plan config/6.3b.py --gpus=8 --gpu_memory_gib=141
+    python -m tools.plan --sizes --attn=lrkv --gpu_memory_gib=80,141     # Table 1's four sizes, a row each
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 -m tools.plan config/demo.py \\
         --fsdp --dtype=float32 --measure
 
 Presets and --name=value flags describe the run as they do to train.py (batch, micro-batch,
@@ -60,16 +60,19 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import hardware
-import muon
-import parallel
+from lib import hardware
+
+from lib import muon
+
+from lib import parallel
+
 import train
-from bench import variants
-from configurator import ArgumentParser, ConfigError
+from tools.bench import variants
+from lib.configurator import ArgumentParser, ConfigError
 from model import ATTENTION, GPT, GPTConfig
 
 GIB = 2**30
-REPO = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]  # the repository, above tools/
 H200_RECORD = REPO / "docs/bench/h200-train.json"
 SIZES = {"128M": [], "1.2B": ["config/1.2b.py"], "2.5B": ["config/2.5b.py"], "6.3B": ["config/6.3b.py"]}
 MODES = {"DDP": (False, False), "DDP + AC": (False, True), "FSDP": (True, False), "FSDP + AC": (True, True)}

@@ -12,16 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpoint
-import hardware
+from lib import checkpoint
+
+from lib import hardware
+
 import prepare_data
 import sample
 import train
-from decode import compiled_decode, exact_step
+from lib.decode import compiled_decode, exact_step
 from model import GPT
 from test_train import data_dir, flags, flip_a_bit  # noqa: F401 (data_dir is a fixture)
 
-REPO = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]  # the repository, above tests/
 BYTES = prepare_data.get_tokenizer("byte")
 PROMPT, NEW = "def ", 20
 SEPARATOR = "\n---------------\n"

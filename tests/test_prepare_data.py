@@ -20,7 +20,7 @@ from tiktoken_ext import openai_public
 
 import prepare_data as pd
 
-REPO = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]  # the repository, above tests/
 
 WORDS = ("the key and value cache of attention is low rank so we store a small projection "
          "instead of every head ünïcödé 数据 naïve café 🙂 tabs\tand\nnewlines").split(" ")

@@ -1,0 +1,7 @@
+"""
+What the top-level scripts (train.py, sample.py, analyze.py, prepare_data.py) are built from,
+beside model.py's math: decode.py, decoding fast; muon.py, the optimiser; parallel.py, DDP and
+FSDP2 from outside the model; convert.py, one variant's weights to another's; diversity.py, the
+effective rank; checkpoint.py, what a run writes; configurator.py, flags and presets;
+hardware.py, the device and the precision policy.
+"""
