@@ -76,7 +76,8 @@ PRESETS = {
                 decode_batches=(1,), contexts=(512, 2048), new_tokens=32, peaks=(4096, 1024)),
     # For the test: seconds on a CPU.
     "tiny": dict(model=dict(block_size=64, vocab_size=256, n_layer=2, n_head=4, n_embd=64, head_dim=16,
-                            n_kv_head=2, kv_lora_rank=16, rope_head_dim=8, lrkv_rank=4),
+                            n_kv_head=2, kv_lora_rank=16, rope_head_dim=8, lrkv_rank=4, gta_kv_heads=2,
+                            gla_latent_dim=16, mlra_latent_dim=8),
                  batch_size=2, seq_len=64, warmup=1, steps=2, decode_batches=(2,), contexts=(32, 64),
                  new_tokens=4, peaks=(256, 64)),
 }
