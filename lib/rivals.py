@@ -21,7 +21,7 @@ in training and decoding (GLA and MLRA train without the key RMS they cache: own
 an exact single-token step registered with lib.decode (`<name>_step`), which reads the compressed cache
 and builds no cached position's key or value, and equals decode.reference_step, the plain equation over
 keys_values (MLRA's sum of softmaxes: its own reference, registered beside its step). Registered into
-model.ATTENTION at the bottom; model.py imports this file last, so that every script knows the names.
+model.ATTENTION at the bottom; lib/__init__.py imports this file, so that every script knows the names.
 """
 
 import math
@@ -201,7 +201,7 @@ class LatentHeadsAttention(Attention):
 
 def split_query(attn, q):
     """The position-free part q_h^nope and the RoPE part q_h^R of one new token's normalised, rotated
-    queries q (B, 1, H, d_h + d_R): the steps absorb W_up^K into the first, as MLA's decode_step."""
+    queries q (B, 1, H, d_h + d_R): the steps absorb W_up^K into the first, as decode.py's mla_step."""
     return q[:, 0].split((attn.head_dim, attn.rope_dim), dim=-1)  # (B, H, d_h), (B, H, d_R)
 
 
@@ -354,8 +354,6 @@ def mlra_step(attn, q, cached, rope, mask):
     attended = torch.einsum("bihs,bsic->bihc", a, c)  # (B, n, H, d_c)
     y = torch.einsum("bihc,ihdc->bhd", attended, attn.up(attn.W_up_v)) / math.sqrt(attn.n_latent)
     return y.unsqueeze(1)
-
-
 
 
 # -----------------------------------------------------------------------------
