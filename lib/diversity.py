@@ -23,8 +23,8 @@ def head_qk_weights(model):
     """Per layer, (Wq, Wk), each (H, d, d_qk): head h's query is x @ Wq[h] and its key x @ Wk[h],
     before the QK norm and RoPE. The keys are a variant's HEAD_KEY_WEIGHTS where it registers them
     (by class, as convert.py's), else its class's own head_key_weights() where it defines one (a
-    variant written in model.py, which cannot import this file), else its per-head projections
-    (convert.head_kv_weights)."""
+    variant written in model.py or lib/rivals.py, which cannot import this file), else its per-head
+    projections (convert.head_kv_weights)."""
     weights = []
     for block in model.blocks:
         attn = block.attn
