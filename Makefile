@@ -3,6 +3,7 @@
 # make test: the whole test suite.
 # make demo SEED=1: the same demo from another seed, in its own folder (out/demo-seed1).
 # make demo-deep (SEED=1 too): the same six runs at the paper's 12 layers, into out/demo-deep(-seed1).
+# make demo-rivals (SEED=1 too): GTA, GLA, TPA and MLRA (lib/rivals.py) beside make demo's MHA, LRKV r=8, MLA.
 # make convert (after make demo): the demo's MHA models converted to smaller caches and uptrained.
 PYTHON ?= python3
 VENV := .venv
@@ -32,7 +33,7 @@ FLAGS_mqa := --attn=mqa
 FLAGS_mla := --attn=mla
 FLAGS_gqa := --attn=gqa
 
-.PHONY: demo demo-deep demo-steps docs docs-demo docs-deep test gpu-demo convert convert-seed
+.PHONY: demo demo-deep demo-steps demo-rivals docs docs-demo docs-deep test gpu-demo convert convert-seed
 .DELETE_ON_ERROR:
 
 $(VENV)/installed: requirements.txt requirements-fineweb.txt requirements-dev.txt
@@ -107,6 +108,24 @@ convert-seed: $(DEMO_DATA)
 convert:
 	$(MAKE) --no-print-directory convert-seed SEED=0
 	$(MAKE) --no-print-directory convert-seed SEED=1
+
+# make demo-rivals (SEED=1 too): the four rivals of lib/rivals.py (GTA, GLA-2, TPA, MLRA-4) at the demo's
+# recipe, into the demo's folder beside its MHA, LRKV r = 8 and MLA (make demo's own runs, trained
+# here where make demo has not finished them), the seven analysed together into DEMO_RIVALS
+RIVAL_RUNS := mha lrkv-r8 mla gta gla tpa mlra
+RIVAL_CKPTS = $(foreach run,$(RIVAL_RUNS),$(DEMO)/$(run)/ckpt.pt)
+DEMO_RIVALS = out/demo-rivals$(seed_suffix)
+FLAGS_gta := --attn=gta
+FLAGS_gla := --attn=gla
+FLAGS_tpa := --attn=tpa
+FLAGS_mlra := --attn=mlra
+
+demo-rivals: $(DEMO_DATA)
+	@start=$$(date +%s); $(MAKE) --no-print-directory -j$(JOBS) $(RIVAL_CKPTS:ckpt.pt=trained) && \
+		$(PY) analyze.py $(RIVAL_CKPTS) --out_dir=$(DEMO_RIVALS) && \
+		for run in gta gla tpa mlra; do echo; echo "$$run, greedy:"; $(PY) sample.py $(DEMO)/$$run/ckpt.pt \
+			--prompt="def " --temperature=0 --max_new_tokens=80 --device=cpu || exit 1; done && \
+		echo "figures and analysis.json in $(DEMO_RIVALS)/; make demo-rivals took $$(( $$(date +%s) - start )) s"
 
 # make gpu-demo: the same six runs at the paper's 128M shape on one GPU, ~10 min each on an H200
 # (config/gpu.py), the ranks at the paper's head dim of 128

@@ -178,6 +178,13 @@ LEGEND = {
     "mqa": (lambda config, peers: "MQA", lambda config: 0),
     "mla": (mla_label, lambda config: config.kv_lora_rank),
     "gqa": (lambda config, peers: f"GQA ({config.n_kv_head} KV heads)", lambda config: config.n_kv_head),
+    # lib/rivals.py's, after the paper's five, each named as its paper names its default
+    "gta": (lambda config, peers: f"GTA ({config.gta_kv_heads} KV heads)",
+            lambda config: config.gta_kv_heads),
+    "gla": (lambda config, peers: f"GLA-{config.gla_latent_heads}", lambda config: config.gla_latent_heads),
+    "tpa": (lambda config, peers: "TPA", lambda config: config.tpa_kv_rank),
+    "mlra": (lambda config, peers: f"MLRA-{config.mlra_latent_heads}",
+             lambda config: config.mlra_latent_heads),
 }
 
 

@@ -2,9 +2,8 @@
 One GPT, five ways to attend: MHA, GQA, MQA, MLA and LRKV (Low-Rank Key-Value attention), on the
 paper's 128M backbone (nanochat's): RoPE, parameter-free RMSNorm before every sublayer and on
 queries and keys, a ReLU^2 MLP, untied embeddings, no biases. Only keys and values differ.
-Read top-down: the config, norm and RoPE, Attention, the five variants (each class's docstring its
-math, its forward what training runs, its cache entries what decoding keeps), GPT with generate,
-KVCache. decode.py holds the optimised single-token steps, each beside the plain equation it equals.
+Read top-down: the config, norm and RoPE, Attention, the five variants (docstring: math; forward:
+training; cache entries: what decoding keeps), GPT, KVCache. lib/decode.py: the exact single-token steps.
 """
 
 import math
@@ -27,6 +26,13 @@ class GPTConfig:
     kv_lora_rank: int = 128  # mla: width d_c of the cached latent
     rope_head_dim: int = 64  # mla: width d_R of the decoupled RoPE key shared by all heads
     lrkv_rank: int = 46  # lrkv: rank r of each head's residual U_h B_h^T
+    gta_kv_heads: int = 3  # gta: tied key-value heads G, each read by n_head // G query heads (GQA's G)
+    gla_latent_heads: int = 2  # gla: latent heads, each read by n_head // them query heads (GLA-2)
+    gla_latent_dim: int = 256  # gla: width d_c of each latent head, 2 d_h (GLA-2's 2 x 2 d_h = MLA's 4 d_h)
+    tpa_q_rank: int = 6  # tpa: rank R_Q of the queries' sum of outer products (TPA's R_Q = 6)
+    tpa_kv_rank: int = 2  # tpa: rank R_K = R_V of the keys' and the values' (TPA's R_K = R_V = 2)
+    mlra_latent_heads: int = 4  # mlra: latent heads, each read by every query head (MLRA-4)
+    mlra_latent_dim: int = 128  # mlra: width of each latent head, d_h (MLRA-4's 4 x d_h = MLA's 4 d_h)
     rope_theta: float = 10000.0
 
     def __post_init__(self):
@@ -65,8 +71,7 @@ def rope_table(dim, max_len, theta):
 
 
 def apply_rope(x, rope):
-    """Rotate the last rope_dim = rope.size(-1) dims of x (B, T, heads, D), dim i with i + rope_dim / 2,
-    the first D - rope_dim passed through; x's T tokens are the last T of rope's rows."""
+    """Rotate x's (B, T, heads, D) last rope.size(-1) dims, i with i + half; its T are rope's last T rows."""
     cos, sin = rope[-x.size(1):, None, :].to(x.dtype).chunk(2, dim=-1)
     x_pass, x1, x2 = x.split((x.size(-1) - 2 * cos.size(-1), cos.size(-1), cos.size(-1)), dim=-1)
     return torch.cat((x_pass, x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
@@ -102,8 +107,7 @@ class Attention(nn.Module):
         return apply_rope(norm(self.W_q(x).view(B, T, self.n_head, self.qk_dim)), rope)  # (B, T, H, d_qk)
 
     def attend(self, q, k, v):
-        """softmax(q k^T / sqrt(d_qk)) v for q (B, T, H, d_qk), k (B, S, H or G, d_qk), v (B, S, H or G,
-        d_v), the T queries the last T of the S positions (T < S: a chunk after a cached prefix)."""
+        """softmax(q k^T / sqrt(d_qk)) v: q (B, T, H, d_qk), k, v (B, S, H or G, d_qk | d_v), q the last T."""
         T, S = q.size(1), k.size(1)
         mask = None
         if T not in (1, S):  # a chunk after a cached prefix sees all of it
@@ -129,8 +133,7 @@ class Attention(nn.Module):
 
 class GroupedQueryAttention(Attention):
     """GQA: G = config.n_kv_head key/value heads K_g = X W_g^K, V_g = X W_g^V, query head h reading
-    g = h G // H; MHA (G = H) and MQA (G = 1) change kv_heads alone. It caches what training computes
-    (keys normalised and rotated, 2 G d_h per token): Attention.forward is all its math."""
+    g = h G // H; MHA (G = H) and MQA (G = 1) change kv_heads alone. Cache: 2 G d_h, training's keys."""
 
     def __init__(self, config, layer):
         super().__init__(config, layer)
@@ -317,7 +320,7 @@ class MultiHeadLatentAttention(Attention):
         return self.keys(c, k_rope) / rho.unsqueeze(-1), self.values(c)
 
 
-# The variants, by the name that GPTConfig.attn (--attn) takes: the only list of them
+# The variants, by the name that GPTConfig.attn (--attn) takes; lib/rivals.py adds its four (lib/__init__.py)
 ATTENTION = {"mha": MultiHeadAttention, "mqa": MultiQueryAttention, "gqa": GroupedQueryAttention,
              "mla": MultiHeadLatentAttention, "lrkv": LowRankKVAttention}
 
@@ -393,8 +396,7 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self, seq_len=None):
-        """Training FLOPs per token: 6 per weight of every matmul (the embedding is a lookup) and 6 per
-        multiply-add of q k^T and a v over seq_len keys (attention_macs; no causal discount: MFU's)."""
+        """Training FLOPs a token: 6 a matmul weight (not wte's), 6 an attention_macs (MFU's: not causal)."""
         T = seq_len or self.config.block_size
         matmul_params = self.get_num_params() - self.wte.weight.numel()
         return 6 * matmul_params + 6 * sum(block.attn.attention_macs(T) for block in self.blocks)
@@ -436,8 +438,7 @@ class GPT(nn.Module):
         if step is not None and not use_cache:
             raise ValueError("a step feeds the KV cache: it needs use_cache=True")
         L = self.config.block_size
-        # keeping k tokens past L prefills k every L - k + 1 new tokens: at half, about one per token,
-        # and every token still sees half a context (uncached, the context is cropped alike)
+        # k kept past L: a prefill of k every L - k + 1 tokens; at half, ~1 a token, each sees half a context
         keep = L - L // 2
         start = max(0, idx.size(1) - L)  # where the context begins in idx
         max_len = min(L, idx.size(1) + max_new_tokens)  # every cache's: the longest the context gets
@@ -470,8 +471,7 @@ class GPT(nn.Module):
 
 
 class KVCache(nn.Module):
-    """One layer's decoding memory: a (B, max_len, *shape) buffer per cached name, filled up to pos, and
-    rope, its positions' RoPE rows; it grows by what it is given (a prompt, a chunk, a token)."""
+    """One layer's decoding memory: a (B, max_len, *shape) buffer a name, filled to pos; rope: their rows."""
 
     def __init__(self, batch_size, max_len, shapes, dtype, device=None, rope=None):
         super().__init__()

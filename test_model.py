@@ -18,6 +18,7 @@ from model import rms as cached_rms
 TINY = GPTConfig(
     block_size=32, vocab_size=61, n_layer=2, n_head=4, n_embd=64, head_dim=16,
     n_kv_head=2, kv_lora_rank=24, rope_head_dim=8, lrkv_rank=4,
+    gta_kv_heads=2, gla_latent_dim=12, mlra_latent_dim=8,  # lib/rivals.py's, to the tiny shape
 )
 MIB = 2**20
 
@@ -56,10 +57,14 @@ class Reference:
     """Everything the tests know of one variant from its formulas, apart from its code. Functions
     take the layer (or the config c and the layer's index) as their field's comment says."""
     keys_values: Callable  # (layer, x (1, T, d) float64, c) -> H keys (T, d_qk), H values (T, d_h), rot_dim:
-    # the paper's per-head keys and values, in float64, and how many of each key's last dims RoPE rotates
+    # the paper's per-head keys and values, in float64, and how many of each key's last dims RoPE rotates;
+    # optionally a fourth item, a dict (naive_attention: "queries" for a variant without W_q, "scale")
     head_keys: Callable  # (layer, x (N, d), c) -> (N, H, d_qk): per-head keys from its own projections
-    # before the QK norm and RoPE (diversity.py's head_qk_weights must match them)
-    params: Callable  # (c, layer) -> (key/value parameters besides W_q, W_o and the MLP, d_qk)
+    # before the QK norm and RoPE (diversity.py's head_qk_weights must match them); for a variant whose
+    # heads are no linear maps of x (head_qk_grams), (layer, None, c) -> its heads' lifted query and key maps
+    params: Callable  # (c, layer) -> (key/value parameters besides W_q, W_o and the MLP, d_qk): a variant
+    # without W_q counts its query parameters here too; a third entry, where a variant has one, is its
+    # multiply-adds of q k^T and a v per head and key (default d_qk + d_h)
     paper_cache_mib: float  # its KV cache at 128M (12 layers, 2,048 tokens, bf16) as the paper counts it
     decoder_extra_mib: float  # what its decoder caches besides (LRKV's and MLA's key RMSs)
     cache_elements: Callable  # (c, layer) -> its cached elements per token in that layer, all of them
@@ -181,20 +186,34 @@ REFERENCES = References({
 
 
 def naive_attention(attn, x, config):
-    """One head at a time, softmax written out, keys and values from the paper's formulas."""
+    """One head at a time, softmax written out, keys and values from the paper's formulas. An entry
+    may return a fourth item, a dict: "queries", every head's query (T, d_qk) before the QK norm
+    and RoPE, for a variant without W_q (TPA); "scale", for a head that attends to several key/value
+    pairs apart (MLRA's latent heads): keys[h] and values[h] are then lists, one softmax each, and
+    the head's output is their outputs' sum times the scale."""
     x = x.double()
     H, T = config.n_head, x.size(1)
-    keys, values, rot_dim = REFERENCES[config.attn].keys_values(attn, x, config)
-    qk_dim = keys[0].size(-1)
+    keys, values, rot_dim, *more = REFERENCES[config.attn].keys_values(attn, x, config)
+    more = more[0] if more else {}
+    if "scale" not in more:
+        keys, values = [[k] for k in keys], [[v] for v in values]
+    qk_dim = keys[0][0].size(-1)
     positions = torch.arange(T, dtype=torch.float64)
-    Wq = attn.W_q.weight.double().view(H, qk_dim, -1)
+    if "queries" in more:
+        queries = more["queries"]
+    else:
+        Wq = attn.W_q.weight.double().view(H, qk_dim, -1)
+        queries = [x[0] @ Wq[h].t() for h in range(H)]
     heads = []
     for h in range(H):
-        q = naive_rope(rms(x[0] @ Wq[h].t()), positions, rot_dim, config.rope_theta)
-        k = naive_rope(rms(keys[h]), positions, rot_dim, config.rope_theta)
-        scores = q @ k.t() / math.sqrt(qk_dim)
-        scores = scores.masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))
-        heads.append(torch.softmax(scores, -1) @ values[h])
+        q = naive_rope(rms(queries[h]), positions, rot_dim, config.rope_theta)
+        head = 0
+        for key, value in zip(keys[h], values[h]):
+            k = naive_rope(rms(key), positions, rot_dim, config.rope_theta)
+            scores = q @ k.t() / math.sqrt(qk_dim)
+            scores = scores.masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))
+            head = head + torch.softmax(scores, -1) @ value
+        heads.append(head * more.get("scale", 1))
     return torch.cat(heads, -1) @ attn.W_o.weight.double().t()
 
 
@@ -472,12 +491,13 @@ def test_parameter_and_flop_counts_follow_each_variants_formula(attn):
     but the embedding) plus 6 per multiply-add of q k^T and a v over T keys, q/k heads d_qk wide."""
     c = GPTConfig(attn=attn)
     params, attention, T = 0, 0, 1024
-    for layer in range(c.n_layer):
-        kv, d_qk = REFERENCES[attn].params(c, layer)
-        params += kv + c.n_embd * c.n_head * d_qk + c.n_head * c.head_dim * c.n_embd + 8 * c.n_embd ** 2
-        attention += c.n_head * (d_qk + c.head_dim) * T
     with torch.device("meta"):
         model = GPT(c)
+    for layer in range(c.n_layer):
+        kv, d_qk, *macs = REFERENCES[attn].params(c, layer)
+        W_q = c.n_embd * c.n_head * d_qk if hasattr(model.blocks[layer].attn, "W_q") else 0
+        params += kv + W_q + c.n_head * c.head_dim * c.n_embd + 8 * c.n_embd ** 2
+        attention += c.n_head * (macs[0] if macs else d_qk + c.head_dim) * T
     assert model.get_num_params() == 2 * c.vocab_size * c.n_embd + params
     assert model.flops_per_token(T) == 6 * (c.vocab_size * c.n_embd + params) + 6 * attention
 
@@ -486,6 +506,11 @@ def test_parameter_and_flop_counts_follow_each_variants_formula(attn):
 def test_head_qk_weights_match_each_variants_projections(attn):
     model = tiny_model(attn)
     layer, c = model.blocks[1].attn, model.config
+    if hasattr(layer, "head_qk_grams"):  # heads no linear maps of x: head_keys gives their lifted maps
+        Mq, Mk = REFERENCES[attn].head_keys(layer, None, c)  # (H, D, d_qk) each, q_h = features(x) @ Mq[h]
+        for P, M in zip(layer.head_qk_grams(), (Mq, Mk)):
+            torch.testing.assert_close(P.double(), torch.einsum("hxa,gxb->hagb", M, M), atol=1e-9, rtol=1e-9)
+        return
     x = torch.randn(5, c.n_embd)
     Wq, Wk = diversity.head_qk_weights(model)[1]
     assert Wq.shape == Wk.shape == (c.n_head, c.n_embd, layer.qk_dim)
@@ -531,3 +556,8 @@ def test_no_line_of_the_repository_is_longer_than_110_characters():
     long = [f"{path.name}:{i}" for path in sorted(Path(__file__).parent.glob("*.py"))
             for i, line in enumerate(path.read_text().splitlines(), 1) if len(line) > 110]
     assert not long, f"lines over 110 characters: {', '.join(long)}"
+
+
+# lib/rivals.py's variants are in ATTENTION wherever lib is imported: their References, which
+# tests/test_rivals.py registers into REFERENCES
+import test_rivals  # noqa: E402,F401

@@ -19,6 +19,13 @@ n_kv_head = 3
 kv_lora_rank = 16
 rope_head_dim = 16
 lrkv_rank = 6  # for --attn=lrkv by hand; make demo runs the figures' 2 and 8
+# lib/rivals.py's knobs at the same ratios (make demo-rivals): GTA keeps G = 3 tied heads (its RoPE half is
+# d_h/2 = 8 by its paper), GLA-2 two latent heads of 2 d_h = 32, MLRA-4 four of d_h = 16, TPA its ranks
+gta_kv_heads = 3
+gla_latent_dim = 32
+mlra_latent_dim = 16
+tpa_q_rank = 6
+tpa_kv_rank = 2
 
 batch_size = 8
 micro_batch_size = 8

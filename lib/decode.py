@@ -31,12 +31,17 @@ import torch.nn as nn
 from model import GPT, KVCache, LowRankKVAttention, MultiHeadLatentAttention, registered
 
 STEPS = {}  # variant class -> its exact single-token step, or None for the plain cached path
+REFERENCE_STEPS = {}  # variant class -> its own plain equation, where reference_step's cannot say it
 
 
-def single_token_step(cls):
-    """Register the decorated function as the exact single-token step of cls and its subclasses."""
+def single_token_step(cls, reference=None):
+    """Register the decorated function as the exact single-token step of cls and its subclasses;
+    reference, the plain equation it equals, for a variant whose heads reference_step cannot express
+    (MLRA's several softmaxes per head, summed)."""
     def register(step):
         STEPS[cls] = step
+        if reference is not None:
+            REFERENCE_STEPS[cls] = reference
         return step
     return register
 
@@ -49,7 +54,11 @@ def registered_step(attn):
 def reference_step(attn, q, cached, rope, mask):
     """What every single-token step computes, by the plain equation: every cached position's keys
     and values rebuilt (the variant's keys_values), then softmax(q_h . k_{h,s} / sqrt(d_qk)) over
-    the positions that mask allows, applied to the values: (B, 1, H, d_v)."""
+    the positions that mask allows, applied to the values: (B, 1, H, d_v). A variant's registered
+    reference instead, where it has one."""
+    own = registered(REFERENCE_STEPS, attn)
+    if own is not None:
+        return own(attn, q, cached, rope, mask)
     k, v = attn.keys_values(rope, **cached)  # (B, S, G, d_qk), (B, S, G, d_v)
     B, _, H, d_qk = q.shape
     G, S = k.size(2), k.size(1)

@@ -23,8 +23,8 @@ def head_qk_weights(model):
     """Per layer, (Wq, Wk), each (H, d, d_qk): head h's query is x @ Wq[h] and its key x @ Wk[h],
     before the QK norm and RoPE. The keys are a variant's HEAD_KEY_WEIGHTS where it registers them
     (by class, as convert.py's), else its class's own head_key_weights() where it defines one (a
-    variant written in model.py, which cannot import this file), else its per-head projections
-    (convert.head_kv_weights)."""
+    variant written in model.py or lib/rivals.py, which cannot import this file), else its per-head
+    projections (convert.head_kv_weights)."""
     weights = []
     for block in model.blocks:
         attn = block.attn
@@ -53,19 +53,26 @@ def mla_head_key_weights(attn):
 HEAD_KEY_WEIGHTS = {MultiHeadLatentAttention: mla_head_key_weights}
 
 
+def pair_products(W):
+    """[i, a, j, b] = (W_i^T W_j)[a, b] for the heads' maps W (H, D, d_qk), float64 (H, d_qk, H, d_qk):
+    every pair's products out of one (H d_qk)^2 Gram matrix. In numpy: its W.T @ W computes only half
+    of the symmetric product (BLAS syrk), about twice as fast as torch's."""
+    H, D, d_qk = W.shape
+    W = W.double().numpy().transpose(1, 0, 2).reshape(D, H * d_qk)
+    return (W.T @ W).reshape(H, d_qk, H, d_qk)
+
+
 def head_similarity(Wq, Wk):
-    """G[i, j] = <A_i, A_j>_F / (||A_i||_F ||A_j||_F) for A_h = Wq[h] Wk[h]^T, Wq and Wk (H, d, d_qk).
+    """G[i, j] = <A_i, A_j>_F / (||A_i||_F ||A_j||_F) for A_h = Wq[h] Wk[h]^T, Wq and Wk (H, d, d_qk)."""
+    return gram_similarity(pair_products(Wq), pair_products(Wk))
+
+
+def gram_similarity(Pq, Pk):
+    """head_similarity from the pair products of the query and key maps (pair_products' layout).
     Section 4's trace form <A_i, A_j>_F = trace(Wk_i^T Wk_j Wq_j^T Wq_i) is the sum over (a, b) of
-    (Wq_i^T Wq_j)[a, b] (Wk_i^T Wk_j)[a, b]: every pair's d_qk x d_qk products come out of one
-    (H d_qk)^2 Gram matrix per side, and no d x d operator is ever built. In numpy: its W.T @ W
-    computes only half of the symmetric product (BLAS syrk), about twice as fast as torch's."""
-    H, d, d_qk = Wq.shape
-
-    def pair_products(W):  # [i, a, j, b] = (W_i^T W_j)[a, b]
-        W = W.double().numpy().transpose(1, 0, 2).reshape(d, H * d_qk)
-        return (W.T @ W).reshape(H, d_qk, H, d_qk)
-
-    inner = (pair_products(Wq) * pair_products(Wk)).sum((1, 3))
+    (Wq_i^T Wq_j)[a, b] (Wk_i^T Wk_j)[a, b], so no d x d operator is ever built; and a variant whose
+    heads are no linear maps of x (TPA: linear in x (x) x) gives its pair products itself."""
+    inner = (np.asarray(Pq, dtype=np.float64) * np.asarray(Pk, dtype=np.float64)).sum((1, 3))
     norms = np.sqrt(inner.diagonal())
     return inner / np.outer(norms, norms)
 
@@ -90,9 +97,13 @@ def effective_rank(G, centered=False):
     return math.exp(-(p * np.log(p)).sum())
 
 
+@torch.no_grad()
 def similarities(model):
     """Each layer's G, of a GPT whose attention weights are float64 on the CPU (analyze.py's
-    checkpoint, or attention_model's copy of a running model's)."""
+    checkpoint, or attention_model's copy of a running model's). A variant whose heads are no linear
+    maps of the token gives the pair products of its query and key maps (head_qk_grams, TPA's)."""
+    if all(hasattr(block.attn, "head_qk_grams") for block in model.blocks):
+        return [gram_similarity(*(P.numpy() for P in block.attn.head_qk_grams())) for block in model.blocks]
     return [head_similarity(Wq, Wk) for Wq, Wk in head_qk_weights(model)]
 
 

@@ -148,3 +148,21 @@ def test_bad_flags_are_one_line_before_anything_runs(args, says, tmp_path, capsy
     err = capsys.readouterr().err
     assert exit.value.code == 2 and err.startswith("bench.py: error: ") and err.count("\n") == 1
     assert all(part.format(file=tmp_path / "file") in err for part in says), err
+
+
+def test_compiled_rounds_keep_a_graph_for_every_variant(monkeypatch):
+    """All nine variants' compiled steps are kept at once for the interleaved rounds: under dynamo's
+    default limit of 8 graphs for one function (GPT.last_logits), the ninth would run eager."""
+    limits = []
+
+    def step(model, token, caches):  # the compiled step, recording the limit it would compile under
+        limits.append(torch._dynamo.config.recompile_limit)
+        return torch.zeros(1, 1, 2)
+
+    monkeypatch.setattr(bench, "compiled_step", step)
+    monkeypatch.setattr(bench, "fix", lambda caches: [type("Fixed", (), {"pos": torch.zeros(1)})()])
+    state = {attn: ([type("Cache", (), {})()], 0, torch.zeros(1, 1, dtype=torch.long), None, None)
+             for attn in ATTENTION}
+    assert len(state) > 8
+    bench.compiled_rounds(dict.fromkeys(ATTENTION), state, 2, torch.device("cpu"))
+    assert min(limits) >= len(ATTENTION)
