@@ -67,6 +67,8 @@ def flags(**overrides):
 
 
 def fp32_newton_schulz(monkeypatch):
+    """Newton-Schulz in fp32 by the policy, as on an AVX2 CPU, whatever LRKV_PRECISION says."""
+    monkeypatch.delenv(hardware.FORCE, raising=False)
     monkeypatch.setattr(hardware, "cpu_bf16_unit", lambda: None)
 
 

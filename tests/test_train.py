@@ -372,8 +372,8 @@ def test_presets_parse_and_the_gpu_preset_trains_at_reduced_size(data_dir, tmp_p
 
 def test_init_from_starts_a_new_run_at_the_checkpoints_loss(data_dir, full_run, tmp_path):
     """An identity conversion (the same variant and shapes, weights copied whole) evaluates at
-    step 0 to exactly the checkpoint's loss; a full-rank LRKV from MHA to it within fp32 rounding,
-    from the weights alone or calibrated.
+    step 0 to exactly the checkpoint's loss; a full-rank LRKV from MHA to it within the rounding of
+    the run's dtype, from the weights alone or calibrated.
     The run then trains from there on a fresh schedule of its own."""
     source = tmp_path / "mha"
     assert train.main(flags(data_dir=data_dir, out_dir=source, attn="mha", max_steps=4, eval_interval=4)) == 0
@@ -386,7 +386,10 @@ def test_init_from_starts_a_new_run_at_the_checkpoints_loss(data_dir, full_run, 
                                 init_from=source / "ckpt.pt", **attn)) == 0
         val = records(out, "val_loss")
         assert sorted(val) == [0, 3] and sorted(records(out, "loss")) == [1, 2, 3]
-        assert val[0] == expected if name == "same" else abs(val[0] - expected) < 1e-5
+        # the full-rank conversion computes the same keys through other matmuls: equal up to rounding
+        # in the eval's dtype, the policy's for training here (test_precision.py forces each)
+        tol = 1e-5 if train.run_dtype(train.TrainConfig(), torch.device("cpu")) == "float32" else 5e-2
+        assert val[0] == expected if name == "same" else abs(val[0] - expected) < tol, (name, val[0], expected)
         ckpt = torch.load(out / "ckpt.pt", weights_only=True)
         assert ckpt["step"] == 3 and ckpt["config"]["init_from"] == str(source / "ckpt.pt")
     # its --resume jobs go on from their own checkpoint, given the same --init_from
