@@ -32,16 +32,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lib import configurator
-
 from lib.checkpoint import (EVALS, WriteError, checkpoint_dict, claim_out_dir, load_checkpoint,
-                        load_resume_checkpoint, log, log_eval, restore, save_checkpoint, start_log)
+                            load_resume_checkpoint, log, log_eval, restore, save_checkpoint, start_log)
 from lib.configurator import SEED_LIMIT, ConfigError
 from lib.convert import CALIBRATION_TOKENS, distill_loss, load_init_checkpoint
 from lib.diversity import weight_ranks
 from lib.hardware import PRECISION_NAMES, check_device, forced_precision, peak_flops, pick_device, precision
-from model import GPT, GPTConfig
 from lib.muon import Muon
 from lib.parallel import gathered, no_sync, parallelize, process_group, world
+from model import GPT, GPTConfig
 from prepare_data import TOKENIZERS, TrainBatches, load_meta, read_shards, token_bytes
 
 

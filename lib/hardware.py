@@ -70,8 +70,9 @@ def precision(use, device):
     forces one. why is the reason, for the line each script prints first."""
     if use not in USES:
         raise ValueError(f"precision use {use!r}: one of {', '.join(USES)}")
-    if forced_precision() is not None:
-        return forced_precision(), f"{FORCE}={os.environ[FORCE]}"
+    forced = forced_precision()
+    if forced is not None:
+        return forced, f"{FORCE}={os.environ[FORCE]}"
     torch_device = torch.device(device)
     if torch_device.type == "cuda":
         name = torch.cuda.get_device_name(torch_device)
@@ -103,9 +104,9 @@ def cpu_bf16_unit():
     BF16 extension), or None (bf16 emulated in fp32). Linux's flags say what the CPU has, and
     ONEDNN_MAX_CPU_ISA what oneDNN may use of it: ONEDNN_MAX_CPU_ISA=AVX2 makes any CPU an AVX2 one,
     AVX512_CORE_BF16 an AMX CPU one without AMX."""
-    flags = cpu_flags()
     if not onednn_has_bf16():
         return None
+    flags = cpu_flags()
     cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
     uncapped = cap in ("ALL", "DEFAULT")
     if "amx_bf16" in flags and (uncapped or "AMX" in cap):

@@ -7,9 +7,8 @@ import math
 import pytest
 import torch
 
-from tools import bench
-
 from model import ATTENTION, GPT, GPTConfig
+from tools import bench
 
 
 def strict_json(text):

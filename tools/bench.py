@@ -6,7 +6,7 @@ decoding, each in whichever of bf16 and fp32 the device runs faster); the first 
 and why, and --dtype sets all three.
 
 Training: forward, backward and train.py's optimizer step on random tokens (bf16 autocast where
-bf16 is native; torch.compile on a GPU), timed after warm-up, median of several steps: ms,
+the policy trains in it; torch.compile on a GPU), timed after warm-up, median of several steps: ms,
 tokens/s, MFU and the time relative to MHA.
 
 Decoding: prefill a prompt, then feed one token at a time until the KV cache, sized to the
@@ -18,10 +18,9 @@ the cache buys. With --random_caches, the caches are filled with random entries 
 prefill (a step's cost does not depend on the values it reads, and a 16 x 8,192 prefill takes
 minutes on a CPU), and generate() is left out. Decoding holds weights and cache alike in the
 policy's dtype for decoding, as a server would (autocast would re-cast every weight at every
-token). Eager,
-the caches grow by one position a step and on a GPU every step pays its kernel launches;
-compiled, the step runs on fixed shapes (decode.py: the whole cache under a position mask),
-as one CUDA graph on a GPU; the seconds its compiling takes are reported apart.
+token). Eager, the caches grow by one position a step and on a GPU every step pays its kernel
+launches; compiled, the step runs on fixed shapes (decode.py: the whole cache under a position
+mask), as one CUDA graph on a GPU; the seconds its compiling takes are reported apart.
 
     python -m tools.bench --preset=cpu
     python -m tools.bench --preset=cpu --only=decode --decode_batch=1,16 --contexts=2048,8192
