@@ -32,8 +32,8 @@ from matplotlib.ticker import MaxNLocator
 
 from lib.checkpoint import check_writable, load_checkpoint, read_log
 from lib.configurator import ArgumentParser, ConfigError
-from lib.convert import CALIBRATION_TOKENS, attention_input_covariances, head_kv_weights, shared_plus_low_rank
-from lib.diversity import layer_ranks, similarities
+from lib.convert import CALIBRATION_TOKENS, attention_input_covariances, shared_plus_low_rank
+from lib.diversity import key_layers, layer_ranks, similarities
 from prepare_data import TrainBatches, atomic_open, read_shard, shard_paths, write_atomic
 
 
@@ -49,7 +49,7 @@ def rank_energy(model, covariances=None):
     deviation as those inputs see it, sum_h ||(W_h - W_shared) C^(1/2)||_F^2: what the whitened
     conversion keeps. None for a variant with no per-head projections or no spread."""
     try:
-        per_layer = [head_kv_weights(block.attn, model.config.attn) for block in model.blocks]
+        per_layer = [model.blocks[i].attn.head_kv_weights() for i in key_layers(model)]
     except ValueError:
         return None
     energy = {"keys": [], "values": []}
@@ -122,8 +122,8 @@ def analyze(path):
     similarity = similarities(model)
     kv_elements = model.kv_cache_elements_per_token()
     cached = {}  # {name: elements per token, all layers}, from the buffers decoding allocates
-    for block in model.blocks:
-        for name, shape in block.attn.cache_shapes().items():
+    for i in key_layers(model):
+        for name, shape in model.blocks[i].attn.cache_shapes().items():
             cached[name] = cached.get(name, 0) + math.prod(shape)
     validation = {key: None if ckpt.get(key) is None else float(ckpt[key]) for key in ("val_loss", "val_bpb")}
     init_from = ckpt.get("config", {}).get("init_from") or None
@@ -133,6 +133,9 @@ def analyze(path):
         "ckpt": str(path),
         "attn": config.attn,
         "n_layer": config.n_layer,
+        "cla": config.cla,
+        # the layers whose keys the ranks are of: in CLA, the first of each group; the others share them
+        "key_layers": key_layers(model),
         "n_head": config.n_head,
         "n_params": model.get_num_params(),
         "kv_cache_elements_per_token": kv_elements,  # all layers'
@@ -183,7 +186,8 @@ LEGEND = {
             lambda config: config.gta_kv_heads),
     "gla": (lambda config, peers: f"GLA-{config.gla_latent_heads}", lambda config: config.gla_latent_heads),
     "tpa": (lambda config, peers: "TPA", lambda config: config.tpa_kv_rank),
-    "mlra": (lambda config, peers: f"MLRA-{config.mlra_latent_heads}",
+    # the authors' MLRA-4 is this layout with 4 latent heads; their MLRA-2 is another (two branches)
+    "mlra": (lambda config, peers: f"MLRA ({config.mlra_latent_heads} latent heads)",
              lambda config: config.mlra_latent_heads),
 }
 
@@ -191,13 +195,16 @@ LEGEND = {
 def legend_key(config):
     """Where a run sorts: its variant's place in LEGEND, then by size; a variant not there after them."""
     if config.attn not in LEGEND:
-        return len(LEGEND), config.attn, 0
-    return list(LEGEND).index(config.attn), config.attn, LEGEND[config.attn][1](config)
+        return len(LEGEND), config.attn, 0, config.cla
+    return list(LEGEND).index(config.attn), config.attn, LEGEND[config.attn][1](config), config.cla
 
 
 def variant_label(config, peers):
-    """A variant's own legend label (LEGEND's, given the configs of every run of it), or its --attn name."""
-    return LEGEND[config.attn][0](config, peers) if config.attn in LEGEND else config.attn
+    """A variant's own legend label (LEGEND's, given the configs of every run of it), or its --attn
+    name; "+ CLA2" where its layers share keys and values in pairs (--cla=2), as the CLA paper's
+    MQA-CLA2."""
+    label = LEGEND[config.attn][0](config, peers) if config.attn in LEGEND else config.attn
+    return label + (f" + CLA{config.cla}" if config.cla > 1 else "")
 
 
 def colors(labels):
@@ -254,9 +261,9 @@ def plot_effective_rank(runs, centered):
     redundant, top = (0, H - 1) if centered else (1, H)
     fig = Figure(figsize=(7.5, 4), layout="constrained")
     ax = fig.subplots()
-    for run in runs:
-        ax.plot(run[key], marker="o", markersize=4, color=run["color"], linestyle=line_style(run),
-                label=run["label"])
+    for run in runs:  # a CLA run's ranks are those of the layers that own keys
+        ax.plot(run["key_layers"], run[key], marker="o", markersize=4, color=run["color"],
+                linestyle=line_style(run), label=run["label"])
     ax.axhline(redundant, color="gray", linestyle="--", label="Fully redundant")
     ax.set_ylim(redundant - 0.2, top + 0.2)
     ax.set_yticks(range(redundant, top + 1))
@@ -272,7 +279,8 @@ def plot_effective_rank(runs, centered):
 
 def plot_rank_during_training(runs, centered):
     """Effective rank against the training step, one line per run whose log holds it, in three
-    panels: the mean over the layers, the first layer and the last. When the heads collapse, and
+    panels: the mean over the layers, the first layer and the last (with keys of its own, in CLA).
+    When the heads collapse, and
     whether they recover, shows here, where the final checkpoint's figure shows only where they
     ended. The y axis fits the lines (at 12 layers on a CPU they move by hundredths of H); the
     dashed line is H (centred: H - 1), mutually orthogonal heads. None if no run's log holds ranks."""
@@ -280,8 +288,8 @@ def plot_rank_during_training(runs, centered):
     if not logged:
         return None
     key = "effective_rank_centered" if centered else "effective_rank"
-    depths = {run["n_layer"] for run in logged}
-    last = f"Last layer ({depths.pop() - 1})" if len(depths) == 1 else "Last layer"
+    lasts = {run["key_layers"][-1] for run in logged}
+    last = f"Last layer ({lasts.pop()})" if len(lasts) == 1 else "Last layer with keys"
     fig = Figure(figsize=(13, 3.8), layout="constrained")
     axes = fig.subplots(1, 3, sharey=True)
     for ax, (title, pick) in zip(axes, (("Mean over layers", lambda ranks: ranks.mean(1)),
@@ -304,26 +312,38 @@ def plot_rank_during_training(runs, centered):
 
 def most_different_layer(runs):
     """The layer whose effective ranks differ most between the runs (largest max - min), where
-    the variants' heads tell them apart; None if the runs differ in depth (no common layer)."""
+    the variants' heads tell them apart, of those that own keys in every run; None if the runs
+    differ in depth or no layer owns keys in all of them."""
     if len({run["n_layer"] for run in runs}) > 1:
         return None
-    ranks = np.array([run["effective_rank"] for run in runs])  # (runs, layers)
-    return int((ranks.max(0) - ranks.min(0)).argmax())
+    common = sorted(set.intersection(*(set(run["key_layers"]) for run in runs)))
+    if not common:
+        return None
+    ranks = np.array([[run["effective_rank"][run["key_layers"].index(layer)] for layer in common]
+                      for run in runs])  # (runs, layers)
+    return common[int((ranks.max(0) - ranks.min(0)).argmax())]
+
+
+def key_layer(run, layer):
+    """The layer whose keys layer attends with in run: itself, or in CLA its group's first layer."""
+    layer %= run["n_layer"]
+    return layer - layer % run["cla"]
 
 
 def plot_head_correlation(runs, layer):
-    """One H x H panel of G per checkpoint, for layer `layer`: an index, "mean" (of the layers'
-    matrices), or None for the layer where the runs differ most (most_different_layer)."""
+    """One H x H panel of G per checkpoint, for layer `layer`: an index (in CLA the G of the group's
+    first layer, whose keys it attends with), "mean" (of the layers' matrices), or None for the layer
+    where the runs differ most (most_different_layer)."""
     similarity = [np.array(run["similarity"]) for run in runs]
     if layer == "mean":
         panels, which = [s.mean(0) for s in similarity], "mean over layers"
-    elif layer is None and (index := most_different_layer(runs)) is not None:
-        panels = [s[index] for s in similarity]
-        which = f"layer {index}, where the runs' effective ranks differ most"
     else:
-        index = [run["n_layer"] // 2 if layer is None else layer % run["n_layer"] for run in runs]
-        panels = [s[i] for s, i in zip(similarity, index)]
-        which = "layer " + ", ".join(map(str, sorted(set(index))))
+        index = most_different_layer(runs) if layer is None else None
+        shown = ([key_layer(run, index) for run in runs] if index is not None else
+                 [key_layer(run, run["n_layer"] // 2 if layer is None else layer) for run in runs])
+        panels = [s[run["key_layers"].index(i)] for s, run, i in zip(similarity, runs, shown)]
+        which = ("layer " + ", ".join(map(str, sorted(set(shown))))
+                 + (", where the runs' effective ranks differ most" if index is not None else ""))
     fig = Figure(figsize=(2.3 * len(runs) + 1, 3), layout="constrained")
     axes = fig.subplots(1, len(runs), squeeze=False)[0]
     for ax, run, G in zip(axes, runs, panels):
@@ -462,7 +482,7 @@ def print_table(runs):
              *(["val loss at step 0"] if converted else []),
              "val loss", "val BPB", "eff. rank (% of H)", "centred (% of H)")]
     for run in runs:
-        mean_ranks = [sum(run[key]) / run["n_layer"] for key in ("effective_rank", "effective_rank_centered")]
+        mean_ranks = [sum(run[key]) / len(run[key]) for key in ("effective_rank", "effective_rank_centered")]
         rows.append((
             run["label"],
             f"{run['n_params'] / 1e6:.1f}M",
@@ -477,6 +497,12 @@ def print_table(runs):
     for row in rows:
         cells = [row[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(row[1:], widths[1:])]
         print("  ".join(cells))
+    for run in runs:
+        if run["cla"] > 1:
+            sharing = [layer for layer in range(run["n_layer"]) if layer not in run["key_layers"]]
+            print(f"{run['label']}: layers {', '.join(map(str, sharing))} attend with the keys and values of "
+                  f"the first layer of their group of {run['cla']}; the ranks are of layers "
+                  f"{', '.join(map(str, run['key_layers']))}")
 
 
 def index_or_mean(value):

@@ -2,8 +2,12 @@
 One GPT, five ways to attend: MHA, GQA, MQA, MLA and LRKV (Low-Rank Key-Value attention), on the
 paper's 128M backbone (nanochat's): RoPE, parameter-free RMSNorm before every sublayer and on
 queries and keys, a ReLU^2 MLP, untied embeddings, no biases. Only keys and values differ.
-Read top-down: the config, norm and RoPE, Attention, the five variants (docstring: math; forward:
-training; cache entries: what decoding keeps), GPT, KVCache. lib/decode.py: the exact single-token steps.
+
+Read top-down: the config; norm and RoPE; Attention, what every variant shares; the five variants,
+each a class whose docstring is its math and whose keys_values is what training computes; GPT; and
+last KVCache, the decoding memory of the whole model. A class's part under "Decoding" says what it
+caches and how its keys and values come back from the cache: skip it on a first read.
+lib/decode.py has the exact single-token steps; lib/variants.py maps each --attn name to its class.
 """
 
 import math
@@ -13,52 +17,66 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+
 @dataclass
 class GPTConfig:
     block_size: int = 2048
     vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 128 for fast matmuls
     n_layer: int = 12
-    n_head: int = 6
-    n_embd: int = 768
-    head_dim: int = 128
-    attn: str = "mha"
+    n_head: int = 6  # H
+    n_embd: int = 768  # d
+    head_dim: int = 128  # d_h
+    attn: str = "mha"  # the attention variant, a name of lib/variants.py's ATTENTION
+    # cross-layer attention (CLA): in each group of cla layers only the first computes keys and values
+    cla: int = 1
     n_kv_head: int = 3  # gqa: key/value heads G, each shared by n_head // G query heads
     kv_lora_rank: int = 128  # mla: width d_c of the cached latent
     rope_head_dim: int = 64  # mla: width d_R of the decoupled RoPE key shared by all heads
     lrkv_rank: int = 46  # lrkv: rank r of each head's residual U_h B_h^T
-    gta_kv_heads: int = 3  # gta: tied key-value heads G, each read by n_head // G query heads (GQA's G)
-    gla_latent_heads: int = 2  # gla: latent heads, each read by n_head // them query heads (GLA-2)
-    gla_latent_dim: int = 256  # gla: width d_c of each latent head, 2 d_h (GLA-2's 2 x 2 d_h = MLA's 4 d_h)
-    tpa_q_rank: int = 6  # tpa: rank R_Q of the queries' sum of outer products (TPA's R_Q = 6)
-    tpa_kv_rank: int = 2  # tpa: rank R_K = R_V of the keys' and the values' (TPA's R_K = R_V = 2)
-    mlra_latent_heads: int = 4  # mlra: latent heads, each read by every query head (MLRA-4)
-    mlra_latent_dim: int = 128  # mlra: width of each latent head, d_h (MLRA-4's 4 x d_h = MLA's 4 d_h)
     rope_theta: float = 10000.0
 
     def __post_init__(self):
-        if self.attn not in ATTENTION:
-            self.reject("attn", "one of " + ", ".join(ATTENTION))
-        for field in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "head_dim"):
+        variants = attention_classes()
+        if self.attn not in variants:
+            self.reject("attn", "one of " + ", ".join(variants))
+        for field in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "head_dim", "cla"):
             if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
                 self.reject(field, "a positive integer")
+        if self.n_layer % self.cla:
+            self.reject("cla", f"a divisor of n_layer = {self.n_layer} (layers share in groups of cla)")
         if self.head_dim % 2:
             self.reject("head_dim", "even (RoPE rotates pairs of dimensions)")
         if not 1 < self.rope_theta < math.inf:  # NaN fails too
             self.reject("rope_theta", "a finite number > 1 (RoPE's frequencies theta^(-2i/d) fall from 1)")
         if self.n_embd != self.n_head * self.head_dim:
             self.reject("n_embd", f"n_head * head_dim = {self.n_head} * {self.head_dim}")
-        ATTENTION[self.attn].check(self)
+        variants[self.attn].check(self)
 
     def reject(self, field, allowed):
-        raise ValueError(f"GPTConfig.{field} = {getattr(self, field)!r}: must be {allowed}")
+        raise ValueError(f"--{field}={getattr(self, field)!r}: must be {allowed}")
+
+
+def attention_classes():
+    """Every variant by the name --attn takes: lib/variants.py's ATTENTION, which lists this file's
+    five and lib/rivals.py's four. Imported when first asked for, not at the top: it imports this file."""
+    from lib.variants import ATTENTION
+    return ATTENTION
+
+
+def registered(table, attn):
+    """A table keyed by variant class (lib/decode.py's steps, lib/convert.py's conversions): its entry
+    for attn's class, else for the nearest parent that has one (along the MRO), else None."""
+    return next((table[cls] for cls in type(attn).__mro__ if cls in table), None)
 
 
 def norm(x):
+    """x / rms(x): parameter-free RMSNorm over the last dim."""
     return F.rms_norm(x, (x.size(-1),))
 
 
 def rms(x):
-    """x / rms(x)[..., None] = norm(x): as F.rms_norm, in fp32 and fp32's eps (bf16's swamps small keys)."""
+    """The RMS that norm divides by, sqrt(mean(x^2) + eps), (...,) for x (..., D): in fp32 and
+    fp32's eps even for bf16 x (bf16's eps would swamp small keys), returned in x's dtype."""
     x_hi = x.to(torch.promote_types(x.dtype, torch.float32))
     return x_hi.pow(2).mean(-1).add(torch.finfo(x_hi.dtype).eps).sqrt().to(x.dtype)
 
@@ -71,7 +89,9 @@ def rope_table(dim, max_len, theta):
 
 
 def apply_rope(x, rope):
-    """Rotate x's (B, T, heads, D) last rope.size(-1) dims, i with i + half; its T are rope's last T rows."""
+    """Rotate the last rope.size(-1) dims of x (B, T, heads, D) by their positions' rows of rope, the
+    last T: dims i and i + half turn together, (x_i, x_{i+half}) -> (x_i cos + x_{i+half} sin,
+    x_{i+half} cos - x_i sin). The first D - rope.size(-1) dims pass unrotated."""
     cos, sin = rope[-x.size(1):, None, :].to(x.dtype).chunk(2, dim=-1)
     x_pass, x1, x2 = x.split((x.size(-1) - 2 * cos.size(-1), cos.size(-1), cos.size(-1)), dim=-1)
     return torch.cat((x_pass, x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
@@ -80,34 +100,39 @@ def apply_rope(x, rope):
 # The attention variants
 
 class Attention(nn.Module):
-    """H full-rank query heads W_q, the output projection W_o and causal softmax attention. A variant
-    (in ATTENTION, built as cls(config, layer)) defines cache_shapes() {name: shape} of a token,
-    cache_entries(x, rope) {name: (B, T, *shape)} of the new tokens, and keys_values(rope, **cached),
-    every cached position's normalised, rotated keys (B, S, G, qk_dim) and values (B, S, G, head_dim),
-    head h reading h G // H, which forward attends over, training and cached (LRKV and MLA train
-    without their key RMS: own forward). RoPE turns the last rope_dim dims; every parameter is a
-    matrix (Muon's). Optional: check, reset_parameters, attention_macs (README: Adding a variant)."""
+    """What every variant shares: H query heads q_h = Rot(norm(x W_h^Q)), causal softmax attention
+    over the variant's keys and values, and the output projection W_o. A variant defines
+    keys_values(x, rope), the keys and values of the tokens x, and for decoding cache_shapes();
+    cache_entries and cached_keys_values have defaults (README: Adding a variant). Every parameter
+    is a matrix (Muon's). In a group of config.cla layers (CLA) the later ones keep only their
+    queries and W_o and attend with the first layer's keys and values, kv_layer's."""
+
+    query_weights = ("W_q",)  # what makes the queries: a layer that shares keys keeps them (TPA's own)
 
     def __init__(self, config, layer, qk_dim=None, rope_dim=None):
         super().__init__()
         self.layer, self.n_head, self.head_dim = layer, config.n_head, config.head_dim
-        self.qk_dim = qk_dim or config.head_dim
-        self.rope_dim = rope_dim or config.head_dim
+        self.qk_dim = qk_dim or config.head_dim  # d_qk: a query or key head's width
+        self.rope_dim = rope_dim or config.head_dim  # RoPE turns a query's and a key's last rope_dim dims
+        self.kv_layer = layer - layer % config.cla  # the layer whose keys and values this one reads
         self.W_q = nn.Linear(config.n_embd, config.n_head * self.qk_dim, bias=False)
         self.W_o = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=False)
 
-    def forward(self, x, rope, cache=None):
-        """W_o of the attention of x (B, T, d) at rope's positions; with a cache, after its prefix."""
-        q, new = self.queries(x, rope), self.cache_entries(x, rope)
-        y = self.attend(q, *self.keys_values(rope, **new)) if cache is None else cache.attend(self, q, new)
-        return self.W_o(y.flatten(2))
+    def forward(self, x, rope, kv=None):
+        """Training: each token of x (B, T, d) attends to itself and the tokens before it, at rope's
+        positions. Returns W_o of the heads' outputs, and the keys and values attended over, which a
+        later layer of a CLA group gets as kv (and attends with, computing only its queries)."""
+        q = self.queries(x, rope)  # (B, T, H, d_qk)
+        k, v = self.keys_values(x, rope) if self.owns_kv else kv
+        return self.W_o(self.attend(q, k, v).flatten(2)), (k, v)
 
     def queries(self, x, rope):
         B, T, _ = x.shape
         return apply_rope(norm(self.W_q(x).view(B, T, self.n_head, self.qk_dim)), rope)  # (B, T, H, d_qk)
 
     def attend(self, q, k, v):
-        """softmax(q k^T / sqrt(d_qk)) v: q (B, T, H, d_qk), k, v (B, S, H or G, d_qk | d_v), q the last T."""
+        """softmax(q k^T / sqrt(d_qk)) v, causal: q (B, T, H, d_qk) the last T of the S positions of
+        k (B, S, G, d_qk) and v (B, S, G, d_v), query head h reading key/value head h G // H."""
         T, S = q.size(1), k.size(1)
         mask = None
         if T not in (1, S):  # a chunk after a cached prefix sees all of it
@@ -116,7 +141,18 @@ class Attention(nn.Module):
         gqa = k.size(1) != q.size(1)  # SDPA reads each of G key/value heads for H/G query heads
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
                                            enable_gqa=gqa)
-        return y.transpose(1, 2)
+        return y.transpose(1, 2)  # (B, T, H, d_v)
+
+    @property
+    def owns_kv(self):
+        """False in the later layers of a CLA group, which hold no key or value weights."""
+        return self.kv_layer == self.layer
+
+    def drop_keys_values(self):
+        """Keep the queries' weights and W_o alone: this layer attends with kv_layer's keys and values."""
+        for name, _ in [*self.named_children(), *self.named_parameters(recurse=False)]:
+            if name not in (*self.query_weights, "W_o"):
+                delattr(self, name)
 
     @classmethod
     def check(cls, config: "GPTConfig") -> None:
@@ -130,10 +166,55 @@ class Attention(nn.Module):
         """Multiply-adds per token, forward, of q k^T and a v over seq_len keys, all heads."""
         return self.n_head * (self.qk_dim + self.head_dim) * seq_len
 
+    # Decoding: what a token leaves in the cache, and every position's keys and values from it
+
+    def decode(self, x, rope, cache):
+        """x's T new tokens (B, T, d) after the cache's prefix attend to every cached position and to
+        one another: the layer writes their cache entries (if it owns its keys), then the cache attends
+        (KVCache.attend rebuilds keys and values as training's; lib/decode.py's caches run exact steps)."""
+        q = self.queries(x, rope)
+        if self.owns_kv:
+            cache.write(self, self.cache_entries(x, rope))
+        return self.W_o(cache.attend(self, q).flatten(2))
+
+    def cache_shapes(self):
+        """{name: shape}: what one token leaves in the cache, by entry."""
+        raise NotImplementedError(f"{type(self).__name__} defines no cache_shapes()")
+
+    def cache_entries(self, x, rope):
+        """The new tokens' entries {name: (B, T, *shape)}. By default their keys and values themselves."""
+        k, v = self.keys_values(x, rope)
+        return {"k": k, "v": v}
+
+    def cached_keys_values(self, rope, **cached):
+        """Every cached position's keys and values, as keys_values gives them, from the entries
+        {name: (B, S, *shape)} and rope (S, rope_dim), their RoPE rows. By default the cached k and v."""
+        return cached["k"], cached["v"]
+
+    # What lib/diversity.py (the effective rank) and lib/convert.py (--init_from) read of the weights
+
+    def head_kv_weights(self):
+        """(W_K, W_V), each (H, d_h, d): head h's key is x @ W_K[h].T before the QK norm and RoPE, and
+        its value x @ W_V[h].T, where a variant's keys and values are per-head projections of x."""
+        raise ValueError(f"{type(self).__name__} gives no per-head key and value projections")
+
+    def head_key_weights(self):
+        """(H, d, d_qk): head h's key is x @ W[h] before the QK norm and RoPE. By default head_kv_weights'."""
+        return self.head_kv_weights()[0].mT
+
+    def head_qk_grams(self, pair_products):
+        """All that the effective rank needs of the heads: [i, a, j, b] = (Q_i^T Q_j)[a, b] and the same
+        of the keys, (H, d_qk, H, d_qk) each, for head h's query and key maps Q_h, K_h (d, d_qk), x @ Q_h
+        and x @ K_h before the QK norm and RoPE, from W_q and head_key_weights, by pair_products
+        (lib/diversity.py's) of maps stacked (H, d, d_qk)."""
+        Q = self.W_q.weight.view(self.n_head, self.qk_dim, -1).mT  # (H, d, d_qk)
+        return pair_products(Q), pair_products(self.head_key_weights())
+
 
 class GroupedQueryAttention(Attention):
     """GQA: G = config.n_kv_head key/value heads K_g = X W_g^K, V_g = X W_g^V, query head h reading
-    g = h G // H; MHA (G = H) and MQA (G = 1) change kv_heads alone. Cache: 2 G d_h, training's keys."""
+    g = h G // H; MHA (G = H) and MQA (G = 1) change kv_heads alone. The cache holds the keys and
+    values as they are, 2 G d_h numbers per token and layer."""
 
     def __init__(self, config, layer):
         super().__init__(config, layer)
@@ -151,16 +232,17 @@ class GroupedQueryAttention(Attention):
         if not (1 <= G <= config.n_head and config.n_head % G == 0):
             config.reject("n_kv_head", f"a divisor of n_head = {config.n_head}")
 
+    def keys_values(self, x, rope):
+        B, T, _ = x.shape
+        k = apply_rope(norm(self.W_k(x).view(B, T, self.n_kv_head, self.head_dim)), rope)  # (B, T, G, d_h)
+        return k, self.W_v(x).view(B, T, self.n_kv_head, self.head_dim)
+
     def cache_shapes(self):
         return {"k": (self.n_kv_head, self.head_dim), "v": (self.n_kv_head, self.head_dim)}
 
-    def cache_entries(self, x, rope):
-        B, T, _ = x.shape
-        k = apply_rope(norm(self.W_k(x).view(B, T, self.n_kv_head, self.head_dim)), rope)  # (B, T, G, d_h)
-        return {"k": k, "v": self.W_v(x).view(B, T, self.n_kv_head, self.head_dim)}
-
-    def keys_values(self, rope, k, v):
-        return k, v
+    def head_kv_weights(self):
+        H, G, d_h = self.n_head, self.n_kv_head, self.head_dim
+        return tuple(W.weight.view(G, d_h, -1).repeat_interleave(H // G, dim=0) for W in (self.W_k, self.W_v))
 
 
 class MultiHeadAttention(GroupedQueryAttention):
@@ -183,11 +265,9 @@ class LowRankKVAttention(Attention):
 
         K_h = X W_shared^K + (X U_h^K)(B_h^K)^T = K_shared + R_h^K (B_h^K)^T
 
-    and V_h likewise; training builds every K_h and V_h and attends as MHA does. The cache holds
-    the rotated K_shared, V_shared and every R_h^K, R_h^V, the paper's 2 d_h + 2 H r per token, and
-    each head's key RMS rho_h (+0.7% at 128M): Rot_s(norm(K_h)) = (Rot_s K_shared + Rot_s(R_h^K
-    (B_h^K)^T)) / rho_h, so decode.py's step (eq. 6, 7) builds no cached key or value. r = 0 is MQA.
-    Weights are nn.Linear's transposes: U_k.weight the (U_h^K)^T stacked, B_k the B_h^K stacked."""
+    and V_h likewise; training builds every K_h and V_h and attends as MHA does. 1 <= r <= d_h:
+    r = d_h gives every head MHA's capacity, and with no residual (U_h = 0) it is MQA. Weights are
+    nn.Linear's transposes: U_k.weight the (U_h^K)^T stacked, B_k the B_h^K stacked."""
 
     def __init__(self, config, layer):
         super().__init__(config, layer)
@@ -212,15 +292,13 @@ class LowRankKVAttention(Attention):
         for factor in self.parameters(recurse=False):  # B_k, B_v: the only parameters outside an nn.Linear
             nn.init.normal_(factor, std=0.1 / math.sqrt(self.lrkv_rank))
 
-    def forward(self, x, rope, cache=None):
-        if cache is not None:
-            return super().forward(x, rope, cache)
-        # x's gradient sums its five projections' in the reverse of this order: a seed's run depends on it
-        q = self.queries(x, rope)  # (B, T, H, d_h)
+    def keys_values(self, x, rope):
+        # x's gradient sums its projections' in the reverse of the order they are called in (the
+        # queries first): a seed's run depends on this order
         k_shared, v_shared = self.W_shared_k(x), self.W_shared_v(x)  # (B, T, d_h): X W_shared
-        r_k, r_v = self.residual_factor(self.U_k, x), self.residual_factor(self.U_v, x)  # (B, T, H, r)
+        r_k, r_v = self.residual_factor(self.U_k, x), self.residual_factor(self.U_v, x)  # (B, T, H, r): X U_h
         k = k_shared.unsqueeze(2) + self.residual(r_k, self.B_k)  # (B, T, H, d_h): K_h
-        return self.W_o(self.attend(q, apply_rope(norm(k), rope), self.values(v_shared, r_v)).flatten(2))
+        return apply_rope(norm(k), rope), self.values(v_shared, r_v)
 
     def residual_factor(self, U, x):
         """R_h = X U_h of every head, U being U_k or U_v: (B, T, d) -> (B, T, H, r)."""
@@ -230,14 +308,21 @@ class LowRankKVAttention(Attention):
         """Every head's R_h B_h^T, factor being B_k or B_v: (B, S, H, r) -> (B, S, H, d_h)."""
         return torch.einsum("bshr,hdr->bshd", R, factor.view(self.n_head, self.head_dim, self.lrkv_rank))
 
-    def head_keys(self, x):
-        """K_shared (B, T, d_h), R^K (B, T, H, r) and every head's K_h (B, T, H, d_h), before the QK norm."""
-        k_shared, r_k = self.W_shared_k(x), self.residual_factor(self.U_k, x)
-        return k_shared, r_k, k_shared.unsqueeze(2) + self.residual(r_k, self.B_k)
-
     def values(self, v_shared, r_v):
         """Every head's V_h = V_shared + R_h^V (B_h^V)^T: (B, S, d_h), (B, S, H, r) -> (B, S, H, d_h)."""
         return v_shared.unsqueeze(2) + self.residual(r_v, self.B_v)
+
+    def head_kv_weights(self):
+        """Every head's W_h = W_shared + U_h B_h^T, keys' and values', transposed: (H, d_h, d) each."""
+        H, d_h, r = self.n_head, self.head_dim, self.lrkv_rank
+        halves = ((self.W_shared_k, self.U_k, self.B_k), (self.W_shared_v, self.U_v, self.B_v))
+        return tuple(W.weight + torch.einsum("hdr,hrc->hdc", B.view(H, d_h, r), U.weight.view(H, r, -1))
+                     for W, U, B in halves)
+
+    # Decoding. The cache holds the rotated K_shared, V_shared and every R_h^K, R_h^V: the paper's
+    # 2 d_h + 2 H r numbers per token; and each head's key RMS rho_h (+0.7% at 128M), since
+    # Rot_s(norm(K_h)) = (Rot_s K_shared + Rot_s(R_h^K (B_h^K)^T)) / rho_h: so decode.py's step
+    # (eq. 6, 7) builds no cached key or value.
 
     def cache_shapes(self):
         H, d_h, r = self.n_head, self.head_dim, self.lrkv_rank
@@ -248,14 +333,19 @@ class LowRankKVAttention(Attention):
         return {"k_shared": apply_rope(k_shared.unsqueeze(2), rope).squeeze(2), "r_k": r_k, "rho": rms(k),
                 "v_shared": self.W_shared_v(x), "r_v": self.residual_factor(self.U_v, x)}
 
+    def head_keys(self, x):
+        """K_shared (B, T, d_h), R^K (B, T, H, r) and every head's K_h (B, T, H, d_h), before the QK norm."""
+        k_shared, r_k = self.W_shared_k(x), self.residual_factor(self.U_k, x)
+        return k_shared, r_k, k_shared.unsqueeze(2) + self.residual(r_k, self.B_k)
+
+    def cached_keys_values(self, rope, k_shared, r_k, rho, v_shared, r_v):
+        # V_h, not eq. 7's [V_shared | R_h^V], d_h + r wide, which flash attention refuses
+        return self.keys(k_shared, r_k, rho, rope), self.values(v_shared, r_v)
+
     def keys(self, k_shared, r_k, rho, rope):
         """Every head's normalised, rotated key at the S cached positions, as training's: (B, S, H, d_h)."""
         residual = apply_rope(self.residual(r_k, self.B_k), rope)  # (B, S, H, d_h)
         return (k_shared.unsqueeze(2) + residual) / rho.unsqueeze(-1)
-
-    def keys_values(self, rope, k_shared, r_k, rho, v_shared, r_v):
-        # V_h, not eq. 7's [V_shared | R_h^V], d_h + r wide, which flash attention refuses
-        return self.keys(k_shared, r_k, rho, rope), self.values(v_shared, r_v)
 
 
 class MultiHeadLatentAttention(Attention):
@@ -265,8 +355,7 @@ class MultiHeadLatentAttention(Attention):
 
         k_h = [c W_up,h^K | Rot(k_R)]        v_h = c W_up,h^V
 
-    q/k heads d_h + d_R wide. Cache per token: c, the rotated k_R and each head's key RMS (+3.1%),
-    which spares decode.py's step (W_up^K absorbed into the query) applying W_up^K to the cache."""
+    so that q/k heads are d_h + d_R wide, RoPE turning their last d_R dims."""
 
     def __init__(self, config, layer):
         super().__init__(config, layer, qk_dim=config.head_dim + config.rope_head_dim,
@@ -285,14 +374,11 @@ class MultiHeadLatentAttention(Attention):
         if not (2 <= config.rope_head_dim <= config.head_dim and config.rope_head_dim % 2 == 0):
             config.reject("rope_head_dim", f"even, from 2 to head_dim = {config.head_dim}")
 
-    def forward(self, x, rope, cache=None):
-        if cache is not None:
-            return super().forward(x, rope, cache)
-        q = self.queries(x, rope)  # (B, T, H, d_h + d_R)
+    def keys_values(self, x, rope):
         c = norm(self.W_down(x))  # (B, T, d_c)
         # rotating leaves the RMS unchanged: norm-after-rotate is the queries' rotate-after-norm
-        k = self.keys(c, apply_rope(self.W_kr(x).unsqueeze(2), rope))
-        return self.W_o(self.attend(q, norm(k), self.values(c)).flatten(2))
+        k = self.keys(c, apply_rope(self.W_kr(x).unsqueeze(2), rope))  # (B, T, H, d_h + d_R)
+        return norm(k), self.values(c)
 
     def keys(self, c, k_rope):
         """Every head's key before the QK norm, [c W_up,h^K | k_R]: (B, S, H, d_h + d_R)."""
@@ -308,6 +394,16 @@ class MultiHeadLatentAttention(Attention):
         # flash attention needs one head dim for q, k and v: v is zero-padded, the zero outputs dropped
         return super().attend(q, k, F.pad(v, (0, self.rope_dim)))[..., :self.head_dim]
 
+    def head_key_weights(self):
+        """(H, d, d_h + d_R): head h's key is x @ Wk[h] before the QK norm and RoPE, the latent's norm
+        taken as identity. MLA's keys are no per-head projections of x: nothing to convert from."""
+        W_up_k = self.W_up_k.weight.view(self.n_head, self.head_dim, self.kv_lora_rank)
+        Wk_nope = torch.einsum("cx,hnc->hxn", self.W_down.weight, W_up_k)
+        return torch.cat((Wk_nope, self.W_kr.weight.t().expand(self.n_head, -1, -1)), dim=-1)
+
+    # Decoding. The cache holds c, the rotated k_R and each head's key RMS (+3.1% at 128M), which
+    # spares decode.py's step (W_up^K absorbed into the query) applying W_up^K to the cache.
+
     def cache_shapes(self):
         return {"c": (self.kv_lora_rank,), "k_rope": (1, self.rope_dim), "rho": (self.n_head,)}
 
@@ -316,18 +412,8 @@ class MultiHeadLatentAttention(Attention):
         k_rope = apply_rope(self.W_kr(x).unsqueeze(2), rope)  # (B, T, 1, d_R)
         return {"c": c, "k_rope": k_rope, "rho": rms(self.keys(c, k_rope))}
 
-    def keys_values(self, rope, c, k_rope, rho):
+    def cached_keys_values(self, rope, c, k_rope, rho):
         return self.keys(c, k_rope) / rho.unsqueeze(-1), self.values(c)
-
-
-# The variants, by the name that GPTConfig.attn (--attn) takes; lib/rivals.py adds its four (lib/__init__.py)
-ATTENTION = {"mha": MultiHeadAttention, "mqa": MultiQueryAttention, "gqa": GroupedQueryAttention,
-             "mla": MultiHeadLatentAttention, "lrkv": LowRankKVAttention}
-
-
-def registered(table, attn):
-    """table's entry for attn's class or its nearest parent (MRO), else None: decode.py's, convert.py's."""
-    return next((table[cls] for cls in type(attn).__mro__ if cls in table), None)
 
 
 # The model
@@ -345,12 +431,20 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, config, layer):
         super().__init__()
-        self.attn = ATTENTION[config.attn](config, layer)
+        self.attn = attention_classes()[config.attn](config, layer)
+        if not self.attn.owns_kv:
+            self.attn.drop_keys_values()
         self.mlp = MLP(config)
 
-    def forward(self, x, rope, cache=None):
-        x = x + self.attn(norm(x), rope, cache)
-        return x + self.mlp(norm(x))
+    def forward(self, x, rope, cache=None, kv=None):
+        """x after the block, and the keys and values its attention attended over in training (kv:
+        those of its CLA group's first layer, given to the later ones)."""
+        if cache is None:
+            y, kv = self.attn(norm(x), rope, kv)
+        else:
+            y = self.attn.decode(norm(x), rope, cache)
+        x = x + y
+        return x + self.mlp(norm(x)), kv
 
 
 class GPT(nn.Module):
@@ -378,15 +472,19 @@ class GPT(nn.Module):
             block.attn.reset_parameters()  # zeroes W_o, then draws what else the variant holds
             nn.init.zeros_(block.mlp.W_out.weight)
 
-    def forward(self, idx, targets=None, caches=None):
-        """Logits (B, T, vocab) in fp32 and, given targets, the loss; with caches, after their prefix."""
+    def forward(self, idx, targets=None, cache=None):
+        """Logits (B, T, vocab) in fp32 and, given targets, the loss. With a cache (new_cache), idx's
+        T tokens come after the cache's prefix, and the cache keeps them."""
         T = idx.size(1)
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than block_size = {self.config.block_size}")
-        rope = caches[0].next_rope(T) if caches else self.rope[:T]  # the rows of idx's positions
+        rope = self.rope[:T] if cache is None else cache.next_rope(T)  # the RoPE rows of idx's positions
         x = norm(self.wte(idx))
-        for block, cache in zip(self.blocks, caches or [None] * len(self.blocks)):
-            x = block(x, rope, cache)
+        kv = None  # in training, the keys and values that a CLA group's later layers attend with
+        for block in self.blocks:
+            x, kv = block(x, rope, cache, kv)
+        if cache is not None:
+            cache.advance(T)
         logits = self.lm_head(norm(x)).float()
         if targets is None:
             return logits, None
@@ -401,26 +499,26 @@ class GPT(nn.Module):
         matmul_params = self.get_num_params() - self.wte.weight.numel()
         return 6 * matmul_params + 6 * sum(block.attn.attention_macs(T) for block in self.blocks)
 
-    def new_caches(self, batch_size, max_len, dtype=None, device=None):
-        """One empty KVCache per layer for batch_size sequences of max_len tokens, dtype the weights'."""
+    def new_cache(self, batch_size, max_len, dtype=None, device=None):
+        """An empty KVCache for batch_size sequences of up to max_len tokens, dtype the weights'."""
         dtype, device = dtype or self.wte.weight.dtype, device or self.wte.weight.device
         if max_len > self.config.block_size:  # the RoPE table has block_size rows
             raise ValueError(f"a KV cache of {max_len} tokens exceeds block_size = {self.config.block_size}")
-        return [KVCache(batch_size, max_len, block.attn.cache_shapes(), dtype, device, self.rope[:max_len])
-                for block in self.blocks]
+        shapes = [block.attn.cache_shapes() if block.attn.owns_kv else {} for block in self.blocks]
+        return KVCache(shapes, batch_size, max_len, dtype, device, self.rope[:max_len])
 
     def kv_cache_bytes(self, batch_size, seq_len, dtype=None):
-        """Bytes the decoding caches allocate, counted off the same caches built on the meta device."""
-        caches = self.new_caches(batch_size, seq_len, dtype, device="meta")
-        return sum(buf.numel() * buf.element_size() for cache in caches for buf in cache.buffers())
+        """Bytes a decoding cache allocates, counted off the same cache built on the meta device."""
+        return sum(buf.nbytes for buf in self.new_cache(batch_size, seq_len, dtype, device="meta").buffers())
 
     def kv_cache_elements_per_token(self):
         """Cached elements per token, summed over the layers (n_layer 2 H d_h for MHA)."""
-        return sum(math.prod(shape) for block in self.blocks for shape in block.attn.cache_shapes().values())
+        return sum(math.prod(shape) for block in self.blocks if block.attn.owns_kv
+                   for shape in block.attn.cache_shapes().values())
 
-    def last_logits(self, token, caches):
-        """The plain cached step: the logits (B, vocab) of token (B, 1) after the cached prefix."""
-        return self(token, caches=caches)[0][:, -1]
+    def last_logits(self, token, cache):
+        """The plain cached step: the logits (B, vocab) of token (B, 1) after the cache's prefix."""
+        return self(token, cache=cache)[0][:, -1]
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, step=None,
@@ -433,27 +531,31 @@ class GPT(nn.Module):
     def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, step=None,
                vocab_size=None):
         """Yield the max_new_tokens tokens (B, 1) that continue idx (B, T) as drawn (temperature 0: greedy),
-        from the last block_size tokens, from their recent half when they would outgrow them; cached, each
-        token fed by step(model, token, caches) -> logits (default GPT.last_logits). vocab_size: ids below."""
+        from the last block_size tokens, from their recent half when they would outgrow them. Cached,
+        each token after the prompt is fed by step(model, token, cache) -> (logits, cache), which may
+        hand back another cache over the same buffers (lib/decode.py's); default: last_logits, the
+        plain cached path. vocab_size: draw only ids below it."""
         if step is not None and not use_cache:
             raise ValueError("a step feeds the KV cache: it needs use_cache=True")
         L = self.config.block_size
         # k kept past L: a prefill of k every L - k + 1 tokens; at half, ~1 a token, each sees half a context
         keep = L - L // 2
         start = max(0, idx.size(1) - L)  # where the context begins in idx
-        max_len = min(L, idx.size(1) + max_new_tokens)  # every cache's: the longest the context gets
+        max_len = min(L, idx.size(1) + max_new_tokens)  # the cache's: the longest the context gets
         device = idx.device.type
         autocast = torch.is_autocast_enabled(device)
         dtype = torch.get_autocast_dtype(device) if autocast else self.lm_head.weight.dtype
-        caches = None
+        cache = None
         for _ in range(max_new_tokens):
             if idx.size(1) - start > L:
-                start, caches = idx.size(1) - keep, None
-            if caches is None:  # the whole context: the prompt, a new start, or any step without the cache
-                caches = self.new_caches(idx.size(0), max_len, dtype) if use_cache else None
-                logits = self(idx[:, start:], caches=caches)[0][:, -1]
+                start, cache = idx.size(1) - keep, None
+            if cache is None:  # the whole context: the prompt, a new start, or any step without the cache
+                cache = self.new_cache(idx.size(0), max_len, dtype) if use_cache else None
+                logits = self(idx[:, start:], cache=cache)[0][:, -1]
+            elif step is None:
+                logits = self.last_logits(idx[:, -1:], cache)
             else:
-                logits = (step or GPT.last_logits)(self, idx[:, -1:], caches)
+                logits, cache = step(self, idx[:, -1:], cache)
             logits = logits[:, :vocab_size]
             if temperature == 0:
                 next_token = logits.argmax(dim=-1, keepdim=True)
@@ -470,31 +572,51 @@ class GPT(nn.Module):
             yield next_token
 
 
-class KVCache(nn.Module):
-    """One layer's decoding memory: a (B, max_len, *shape) buffer a name, filled to pos; rope: their rows."""
+class KVCache:
+    """Decoding's memory, one for the whole model: for each layer that owns keys and values, a buffer
+    (B, max_len, *shape) per entry of its cache_shapes, and one position pos, to which every layer
+    is filled. A forward through the cache writes its T tokens' entries at positions pos to pos + T,
+    layer by layer (write), each layer attending over the keys and values of its own entries or, in a
+    CLA group's later layers, of the group's first layer's (attend, through read), and then moves pos
+    on (advance). rope: the RoPE rows of positions 0 to max_len."""
 
-    def __init__(self, batch_size, max_len, shapes, dtype, device=None, rope=None):
-        super().__init__()
+    def __init__(self, shapes, batch_size, max_len, dtype, device, rope):
         self.pos, self.max_len, self.rope = 0, max_len, rope
-        for name, shape in shapes.items():
-            buf = torch.zeros(batch_size, max_len, *shape, dtype=dtype, device=device)
-            self.register_buffer(name, buf, persistent=False)
+        # per layer {name: (B, max_len, *shape)}; none for a layer that reads another's
+        self.layers = [{name: torch.zeros(batch_size, max_len, *shape, dtype=dtype, device=device)
+                        for name, shape in layer.items()} for layer in shapes]
+        # per layer written, the attention that wrote it, whose weights turn its entries into keys
+        # and values, and {name: the dtype each entry was computed in}, which read gives them back in
+        self.writers, self.dtypes = {}, {}
+
+    def buffers(self):
+        return [buf for layer in self.layers for buf in layer.values()]
 
     def next_rope(self, T):
-        """The RoPE rows (T, rope_dim) of the next T positions, which update will fill."""
+        """The RoPE rows (T, rope_dim) of the next T positions, which a forward writes."""
         if self.pos + T > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} tokens, {self.pos + T} were asked for")
         return self.rope[self.pos:self.pos + T]
 
-    def update(self, **new):
-        """Append the new tokens' entries; return all so far, {name: (B, pos, *shape)}, in their dtype."""
-        end = self.pos + next(iter(new.values())).size(1)
-        for name, x in new.items():
-            getattr(self, name)[:, self.pos:end] = x
-        self.pos = end
-        return {name: getattr(self, name)[:, :end].to(x.dtype) for name, x in new.items()}
+    def write(self, attn, entries):
+        """Write attn's new entries {name: (B, T, *shape)} into its layer at positions pos to pos + T."""
+        for name, x in entries.items():
+            self.layers[attn.layer][name][:, self.pos:self.pos + x.size(1)] = x
+        self.writers[attn.layer] = attn
+        self.dtypes[attn.layer] = {name: x.dtype for name, x in entries.items()}
 
-    def attend(self, attn, q, new):
-        """The plain cached path: append new, then attend q over every position's keys_values so far."""
-        cached = self.update(**new)
-        return attn.attend(q, *attn.keys_values(self.rope[:self.pos], **cached))
+    def read(self, layer, T):
+        """A layer's entries at every position through the T being written: {name: (B, pos + T, *shape)}."""
+        dtypes = self.dtypes[layer]
+        return {name: buf[:, :self.pos + T].to(dtypes[name]) for name, buf in self.layers[layer].items()}
+
+    def attend(self, attn, q):
+        """The plain cached path: attn's new queries q (B, T, H, d_qk) attend over the keys and values
+        of every position so far, which the attention that wrote them rebuilds from its entries
+        (cached_keys_values): attn's own, or in CLA its group's first layer's (kv_layer)."""
+        T, source = q.size(1), self.writers[attn.kv_layer]
+        keys_values = source.cached_keys_values(self.rope[:self.pos + T], **self.read(attn.kv_layer, T))
+        return source.attend(q, *keys_values)
+
+    def advance(self, T):
+        self.pos += T

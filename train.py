@@ -9,8 +9,9 @@ Train one attention variant of model.py's GPT on token shards written by prepare
     python train.py --attn=mqa --resume                         # continue out_dir/ckpt.pt
     python train.py config/demo.py config/convert.py --init_from=out/demo/mha/ckpt.pt --attn=lrkv
 
-Every field of GPTConfig (model.py) and TrainConfig (below) is a --name=value flag, and a
-positional argument is a preset, a Python file assigning field names (configurator.py). The run
+Every field of ModelConfig (lib/variants.py: model.py's GPTConfig and the rivals' knobs) and of
+TrainConfig (below) is a --name=value flag, and a positional argument is a preset, a Python file
+assigning field names (configurator.py). The run
 prints its progress, writes the same records to out_dir/log.jsonl for plotting (each evaluation's
 with every layer's effective rank, diversity.py), and saves out_dir/ckpt.pt after every
 evaluation (checkpoint.py, which also says what a resumed run must match). Read top-down: the
@@ -40,7 +41,8 @@ from lib.diversity import weight_ranks
 from lib.hardware import PRECISION_NAMES, check_device, forced_precision, peak_flops, pick_device, precision
 from lib.muon import Muon
 from lib.parallel import gathered, no_sync, parallelize, process_group, world
-from model import GPT, GPTConfig
+from lib.variants import ModelConfig
+from model import GPT
 from prepare_data import TOKENIZERS, TrainBatches, load_meta, read_shards, token_bytes
 
 
@@ -118,8 +120,8 @@ class TrainConfig:
 
 
 def parse_args(argv):
-    """(GPTConfig, TrainConfig) from the defaults, then preset files in order, then --name=value flags."""
-    model_config, cfg = configurator.parse(argv, GPTConfig, TrainConfig)
+    """(ModelConfig, TrainConfig) from the defaults, then preset files in order, then --name=value flags."""
+    model_config, cfg = configurator.parse(argv, ModelConfig, TrainConfig)
     cfg.out_dir = cfg.out_dir or f"out/{model_config.attn}"
     return model_config, cfg
 
@@ -248,14 +250,10 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
 
         if is_main and (step % cfg.log_interval == 0 or step == last_step):
             seconds = (time.perf_counter() - t0) / timed_steps
-            tokens_per_s = tokens_per_step / seconds
             mfu = flops_per_step / seconds / (peak * world_size) if peak else None
-            lr = optimizers[0].param_groups[0]["lr"]
-            record = dict(step=step, loss=loss, lr=lr, ms_per_step=1000 * seconds, tokens_per_s=tokens_per_s,
-                          mfu=mfu)
-            log(out_dir, record,
-                f"step {step}/{cfg.max_steps} | loss {loss:.4f} | lr {lr:.2e} | {1000 * seconds:.1f} "
-                f"ms/step | {tokens_per_s:,.0f} tok/s" + ("" if mfu is None else f" | MFU {100 * mfu:.1f}%"))
+            record = dict(step=step, loss=loss, lr=optimizers[0].param_groups[0]["lr"],
+                          ms_per_step=1000 * seconds, tokens_per_s=tokens_per_step / seconds, mfu=mfu)
+            log(out_dir, record, progress_line(record, cfg.max_steps))
             t0, timed_steps = time.perf_counter(), 0
 
         if step % cfg.eval_interval == 0 or step == last_step:
@@ -332,6 +330,19 @@ def lr_multiplier(step, cfg):
         return (step + 1) / cfg.warmup_steps
     progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
     return 0.5 * (1 + math.cos(math.pi * progress))
+
+
+# How each field of the step's record reads in its printed line (log.jsonl holds the record whole);
+# a field not named here prints as "name value"
+LINE_FORMATS = dict(loss="loss {:.4f}", lr="lr {:.2e}", ms_per_step="{:.1f} ms/step",
+                    tokens_per_s="{:,.0f} tok/s", mfu="MFU {:.1%}")
+
+
+def progress_line(record, max_steps):
+    """The printed line of a step's record: "step s/max_steps | loss ... | ...", a field at a time."""
+    fields = [LINE_FORMATS.get(name, name + " {:.4g}").format(value) for name, value in record.items()
+              if name != "step" and value is not None]
+    return " | ".join([f"step {record['step']}/{max_steps}", *fields])
 
 
 def optimizer_step(model, optimizers, cfg):

@@ -2,11 +2,11 @@
 A new run from a trained model (train.py --init_from): its weights converted to another attention
 variant, calibrated on the inputs its attention sees, and optionally distilled from it.
 
-Every layer converts through two functions that a variant registers here by class (a subclass
-inherits its parent's, looked up along the MRO, unless it registers its own):
-HEAD_KV_WEIGHTS[cls](attn) -> (W_K, W_V), the source's H per-head key and value projections, and
-LOAD_HEAD_KV_WEIGHTS[cls](attn, W_K, W_V, C), which builds the target's keys and values closest to
-them. A variant with neither is refused in one line. Everything else carries over as it is:
+Every layer converts in two steps: the source's H per-head key and value projections, (W_K, W_V) =
+attn.head_kv_weights() (model.Attention's; a variant without per-head projections, MLA, is refused in
+one line), and LOAD_HEAD_KV_WEIGHTS[cls](attn, W_K, W_V, C), registered here by the target's class
+(a subclass inherits its parent's, looked up along the MRO), which builds its keys and values closest
+to them; a variant without one is refused in one line. Everything else carries over as it is:
 embeddings, queries, output projections and MLPs. docs/convert.md has the results.
 """
 
@@ -26,15 +26,6 @@ from model import GPT, GroupedQueryAttention, LowRankKVAttention, MultiHeadLaten
 CALIBRATION_TOKENS = 65_536
 
 
-def head_kv_weights(attn, name):
-    """attn's per-head projections (W_K, W_V), each (H, d_h, d) in nn.Linear's layout: head h's key
-    is x @ W_K[h].T before the QK norm and RoPE, its value x @ W_V[h].T. name: its --attn."""
-    heads = registered(HEAD_KV_WEIGHTS, attn)
-    if heads is None:
-        raise ValueError(f"--attn={name} gives no per-head key and value projections to convert from")
-    return heads(attn)
-
-
 def load_head_kv_weights(attn, name, W_K, W_V, C=None):
     """Set attn's key and value parameters from H per-head projections (head_kv_weights' layout),
     as close to them as the variant can be. C: None, or the (d, d) covariance E[x x^T] of the
@@ -49,11 +40,6 @@ def load_head_kv_weights(attn, name, W_K, W_V, C=None):
 
 # GQA, MHA and MQA
 
-def grouped_head_kv_weights(attn):
-    H, G, d_h = attn.n_head, attn.n_kv_head, attn.head_dim
-    return tuple(W.weight.view(G, d_h, -1).repeat_interleave(H // G, dim=0) for W in (attn.W_k, attn.W_v))
-
-
 def load_grouped_head_kv_weights(attn, W_K, W_V, C=None):
     """Each key/value head is the mean of its group's H/G heads, as Ainslie et al. (2023)
     convert MHA to GQA; with G = H that is the identity. C changes nothing: for any C the
@@ -66,18 +52,6 @@ def load_grouped_head_kv_weights(attn, W_K, W_V, C=None):
 
 
 # LRKV
-
-def lrkv_head_weights(attn, W_shared, U, factor):
-    """Every head's W_h = W_shared + U_h B_h^T of one half, in nn.Linear's layout, W_h^T: (H, d_h, d)."""
-    H, d_h, r = attn.n_head, attn.head_dim, attn.lrkv_rank
-    U_t = U.weight.view(H, r, -1)  # (H, r, d)
-    return W_shared.weight + torch.einsum("hdr,hrc->hdc", factor.view(H, d_h, r), U_t)
-
-
-def lrkv_head_kv_weights(attn):
-    return (lrkv_head_weights(attn, attn.W_shared_k, attn.U_k, attn.B_k),
-            lrkv_head_weights(attn, attn.W_shared_v, attn.U_v, attn.B_v))
-
 
 def load_lrkv_head_kv_weights(attn, W_K, W_V, C=None):
     """W_shared = the heads' mean, U_h B_h^T = the rank-r truncated SVD of W_h - W_shared, or
@@ -137,7 +111,7 @@ def refuse_mla(attn, W_K, W_V, C=None):
                      "leaves alone, and per-head keys rotate every dim (docs/convert.md)")
 
 
-HEAD_KV_WEIGHTS = {GroupedQueryAttention: grouped_head_kv_weights, LowRankKVAttention: lrkv_head_kv_weights}
+# Each target variant's conversion, by class; MLA's is a refusal that says why
 LOAD_HEAD_KV_WEIGHTS = {GroupedQueryAttention: load_grouped_head_kv_weights,
                         LowRankKVAttention: load_lrkv_head_kv_weights, MultiHeadLatentAttention: refuse_mla}
 
@@ -148,8 +122,9 @@ def convert(model, source, covariances=None):
     they are, and each layer's keys and values through the variants' conversion. covariances:
     None (the weights alone), or per layer the (d, d) covariance of the inputs source's attention
     sees there (attention_input_covariances). A model of the same variant and shapes is copied
-    whole. Width, heads, head dim, layers and vocabulary must agree: nothing else can carry over."""
-    for field in ("n_embd", "n_head", "head_dim", "n_layer", "vocab_size"):
+    whole. Width, heads, head dim, layers, vocabulary and the CLA groups must agree: nothing else can
+    carry over, and a layer that shares its group's keys has none of its own to convert to or from."""
+    for field in ("n_embd", "n_head", "head_dim", "n_layer", "vocab_size", "cla"):
         if getattr(model.config, field) != getattr(source.config, field):
             raise ValueError(f"the checkpoint has {field} = {getattr(source.config, field)}, this model "
                              f"{getattr(model.config, field)}: only the attention's keys and values convert")
@@ -159,8 +134,8 @@ def convert(model, source, covariances=None):
         return
     covariances = covariances or [None] * len(model.blocks)
     for block, source_block, C in zip(model.blocks, source.blocks, covariances):
-        heads = head_kv_weights(source_block.attn, source.config.attn)
-        load_head_kv_weights(block.attn, model.config.attn, *heads, C)
+        if block.attn.owns_kv:
+            load_head_kv_weights(block.attn, model.config.attn, *source_block.attn.head_kv_weights(), C)
     kept = ("wte.", "lm_head.", ".mlp.", ".attn.W_q.", ".attn.W_o.")
     model.load_state_dict({k: v for k, v in theirs.items() if any(part in f".{k}" for part in kept)},
                           strict=False)

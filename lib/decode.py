@@ -3,8 +3,8 @@ Decoding fast: each variant's optimised single-token step, beside the plain equa
 and the step on fixed shapes, compiled.
 
 model.py decodes by the plain cached path: KVCache.attend rebuilds every cached position's keys
-and values from the cache (the variant's keys_values) and attends as training does. A new token
-needs less: here a variant's exact single-token step reads the cache as it is. The steps are
+and values from the cache (the variant's cached_keys_values) and attends as training does. A new
+token needs less: here a variant's exact single-token step reads the cache as it is. The steps are
 registered by class, explicitly:
 
     @single_token_step(LowRankKVAttention)
@@ -18,8 +18,8 @@ which the tests check at every step of a decode. A subclass inherits its parent'
 along the MRO) unless it registers its own, or None: the plain cached path.
 
 GPT.stream runs the plain path; generate(..., step=exact_step) runs every layer through its
-registered step (sample.py and bench.py by default), and step=compiled_decode the same on
-fixed-shape caches under torch.compile (sample.py --compile, bench.py's compiled column).
+registered step (sample.py and bench.py by default), and step=compiled_decode the same on a
+fixed-shape cache under torch.compile (sample.py --compile, bench.py's compiled column).
 """
 
 import functools
@@ -47,19 +47,19 @@ def single_token_step(cls, reference=None):
 
 
 def registered_step(attn):
-    """attn's single-token step: its class's, or the nearest parent's along the MRO; None if none."""
+    """attn's single-token step: its class's, or the nearest parent's; None if none."""
     return registered(STEPS, attn)
 
 
 def reference_step(attn, q, cached, rope, mask):
     """What every single-token step computes, by the plain equation: every cached position's keys
-    and values rebuilt (the variant's keys_values), then softmax(q_h . k_{h,s} / sqrt(d_qk)) over
+    and values rebuilt (the variant's cached_keys_values), then softmax(q_h . k_{h,s} / sqrt(d_qk)) over
     the positions that mask allows, applied to the values: (B, 1, H, d_v). A variant's registered
     reference instead, where it has one."""
     own = registered(REFERENCE_STEPS, attn)
     if own is not None:
         return own(attn, q, cached, rope, mask)
-    k, v = attn.keys_values(rope, **cached)  # (B, S, G, d_qk), (B, S, G, d_v)
+    k, v = attn.cached_keys_values(rope, **cached)  # (B, S, G, d_qk), (B, S, G, d_v)
     B, _, H, d_qk = q.shape
     G, S = k.size(2), k.size(1)
     q = q[:, 0].view(B, G, H // G, d_qk)  # query head g H/G + j reads key/value head g
@@ -217,29 +217,26 @@ class ExactKVCache(KVCache):
     without a step, takes the plain cached path."""
 
     def __init__(self, cache):
-        nn.Module.__init__(self)
-        self.pos, self.max_len, self.rope = cache.pos, cache.max_len, cache.rope
-        for name, buf in cache.named_buffers():
-            self.register_buffer(name, buf, persistent=False)
+        vars(self).update(vars(cache))  # the same buffers, position and RoPE rows
 
-    def attend(self, attn, q, new):
-        step = registered_step(attn)
+    def attend(self, attn, q):
+        source = self.writers[attn.kv_layer]  # attn, or in CLA its group's first layer
+        step = registered_step(source)
         if step is None or q.size(1) > 1:
-            return super().attend(attn, q, new)
-        cached = self.update(**new)
-        return step(attn, q, cached, self.rope[:self.pos], None)
+            return super().attend(attn, q)
+        return step(source, q, self.read(attn.kv_layer, 1), self.rope[:self.pos + 1], None)
 
 
 class FixedKVCache(ExactKVCache):
-    """An ExactKVCache behind shapes that no longer change, for torch.compile: pos is a (1,)
-    tensor that every layer's cache shares, update writes the one new token there and returns
-    the whole buffers, and the token attends over all max_len positions through its variant's
-    step, or reference_step, those past pos masked. The cost of a step no longer depends on its
-    position."""
+    """An ExactKVCache behind shapes that no longer change, for torch.compile: pos is a (1,) tensor,
+    write puts the one new token there, read gives the whole buffers, and the token attends over
+    all max_len positions through its variant's step, or reference_step, those past pos masked.
+    The cost of a step no longer depends on its position. pos moves outside the compiled step
+    (compiled_decode), so advance does nothing."""
 
-    def __init__(self, cache, pos):
+    def __init__(self, cache):
         super().__init__(cache)
-        self.pos = pos
+        self.pos = torch.tensor([cache.pos], device=cache.rope.device)
         for buf in self.buffers():
             torch._dynamo.mark_static_address(buf)  # a CUDA graph may keep its address
 
@@ -248,55 +245,54 @@ class FixedKVCache(ExactKVCache):
             raise ValueError(f"a fixed-shape cache takes one token a step, not {T}")
         return self.rope[self.pos]  # (1, rope_dim)
 
-    def update(self, **new):
-        for name, x in new.items():
-            getattr(self, name).index_copy_(1, self.pos, x.to(getattr(self, name).dtype))
-        return {name: getattr(self, name).to(x.dtype) for name, x in new.items()}
+    def write(self, attn, entries):
+        for name, x in entries.items():
+            buf = self.layers[attn.layer][name]
+            buf.index_copy_(1, self.pos, x.to(buf.dtype))
 
-    def attend(self, attn, q, new):
+    def read(self, layer, T):
+        dtypes = self.dtypes[layer]
+        return {name: buf.to(dtypes[name]) for name, buf in self.layers[layer].items()}
+
+    def attend(self, attn, q):
         mask = (torch.arange(self.max_len, device=self.pos.device) <= self.pos)[None]  # (1, max_len)
-        step = registered_step(attn) or reference_step
-        return step(attn, q, self.update(**new), self.rope, mask)
+        source = self.writers[attn.kv_layer]
+        step = registered_step(source) or reference_step
+        return step(source, q, self.read(attn.kv_layer, 1), self.rope, mask)
+
+    def advance(self, T):
+        pass
 
 
-def exact_step(model, token, caches):
+def exact_step(model, token, cache):
     """GPT.stream's step through every layer's registered single-token step: the last logits
-    (B, vocab) of token (B, 1). Caches that a prefill has just filled become ExactKVCaches over
-    the same buffers, in place in the list that stream passes every step."""
-    if not isinstance(caches[0], ExactKVCache):
-        caches[:] = [ExactKVCache(cache) for cache in caches]
-    return model.last_logits(token, caches)
-
-
-def fix(caches):
-    """Fixed-shape caches over the buffers of caches that a prefill has filled, from their position
-    on."""
-    pos = torch.tensor([caches[0].pos], device=caches[0].rope.device)
-    return [FixedKVCache(cache, pos) for cache in caches]
+    (B, vocab) of token (B, 1), and the cache, which a prefill has just filled the first time,
+    then an ExactKVCache over the same buffers."""
+    if not isinstance(cache, ExactKVCache):
+        cache = ExactKVCache(cache)
+    return model.last_logits(token, cache), cache
 
 
 @functools.cache
 def compiled_fixed_step():
     """GPT.last_logits compiled, one step for every model and cache of the same shapes (fixed ones:
-    the same at every position): torch.compile lifts modules' weights and buffers into graph
-    inputs, so new caches reuse the graph. On a GPU,
-    "reduce-overhead" replays it as a CUDA graph, one launch for the whole step. Made on first use:
-    importing torch.compile's machinery costs a process about 2 s on a CPU, which sample.py
-    without --compile need not pay."""
+    the same at every position): torch.compile lifts modules' weights and the cache's buffers into
+    graph inputs, so new caches reuse the graph. On a GPU, "reduce-overhead" replays it as a CUDA
+    graph, one launch for the whole step. Made on first use: importing torch.compile's machinery
+    costs a process about 2 s on a CPU, which sample.py without --compile need not pay."""
     return torch.compile(GPT.last_logits, mode="reduce-overhead" if torch.cuda.is_available() else None)
 
 
-def compiled_step(model, token, caches):
-    return compiled_fixed_step()(model, token, caches)
+def compiled_step(model, token, cache):
+    return compiled_fixed_step()(model, token, cache)
 
 
-def compiled_decode(model, token, caches):
-    """GPT.stream's step, compiled: caches that a prefill has just filled are fixed on their first
-    step, in place in the list that stream passes every step, then the compiled step runs and the
-    shared position moves on."""
-    if not isinstance(caches[0], FixedKVCache):
-        caches[:] = fix(caches)
+def compiled_decode(model, token, cache):
+    """GPT.stream's step, compiled: a cache that a prefill has just filled is fixed on its first
+    step (FixedKVCache over the same buffers), then the compiled step runs and the position moves on."""
+    if not isinstance(cache, FixedKVCache):
+        cache = FixedKVCache(cache)
     # contiguous: a column of stream's growing idx has a new stride at every step, which recompiles
-    logits = compiled_step(model, token.contiguous(), caches)
-    caches[0].pos += 1
-    return logits
+    logits = compiled_step(model, token.contiguous(), cache)
+    cache.pos += 1
+    return logits, cache

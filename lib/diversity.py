@@ -6,6 +6,9 @@ Head h of a layer scores key token y against query token x through the bilinear 
 A_h = W_h^Q (W_h^K)^T (d x d), before the QK norm and RoPE. The head-similarity matrix G holds
 the cosines of the A_h under the Frobenius inner product, and its effective rank says how many
 distinct operators the layer's H heads amount to: 1 if all are the same, H if all are orthogonal.
+What it reads of a variant is head_qk_grams(pair_products) (model.Attention's: the pair products of
+W_q's maps and of the class's head_key_weights); a CLA group's later layers, which have no keys of
+their own, are left out.
 Everything is computed on the CPU in float64.
 """
 
@@ -14,43 +17,7 @@ import math
 import numpy as np
 import torch
 
-from lib.convert import head_kv_weights
-from model import GPT, MultiHeadLatentAttention, registered
-
-
-@torch.no_grad()
-def head_qk_weights(model):
-    """Per layer, (Wq, Wk), each (H, d, d_qk): head h's query is x @ Wq[h] and its key x @ Wk[h],
-    before the QK norm and RoPE. The keys are a variant's HEAD_KEY_WEIGHTS where it registers them
-    (by class, as convert.py's), else its class's own head_key_weights() where it defines one (a
-    variant written in model.py or lib/rivals.py, which cannot import this file), else its per-head
-    projections (convert.head_kv_weights)."""
-    weights = []
-    for block in model.blocks:
-        attn = block.attn
-        Wq = attn.W_q.weight.view(attn.n_head, attn.qk_dim, -1).transpose(1, 2)
-        key_weights = registered(HEAD_KEY_WEIGHTS, attn)
-        if key_weights is not None:
-            Wk = key_weights(attn)
-        elif hasattr(attn, "head_key_weights"):
-            Wk = attn.head_key_weights()
-        else:
-            Wk = head_kv_weights(attn, model.config.attn)[0].mT
-        weights.append((Wq.detach().clone(), Wk.detach().clone()))
-    return weights
-
-
-def mla_head_key_weights(attn):
-    """(H, d, d_h + d_R): head h's key is x @ Wk[h] before the QK norm and RoPE, the latent's norm
-    taken as identity: MLA gives no per-head projections to convert."""
-    W_up_k = attn.W_up_k.weight.view(attn.n_head, attn.head_dim, attn.kv_lora_rank)
-    Wk_nope = torch.einsum("cx,hnc->hxn", attn.W_down.weight, W_up_k)
-    Wk_rope = attn.W_kr.weight.t().expand(attn.n_head, -1, -1)
-    return torch.cat((Wk_nope, Wk_rope), dim=-1)
-
-
-# The key weights (H, d, d_qk) of a variant whose keys are not its per-head projections, by class
-HEAD_KEY_WEIGHTS = {MultiHeadLatentAttention: mla_head_key_weights}
+from model import GPT
 
 
 def pair_products(W):
@@ -97,19 +64,21 @@ def effective_rank(G, centered=False):
     return math.exp(-(p * np.log(p)).sum())
 
 
+def key_layers(model):
+    """The layers that own their keys: every layer but the later ones of a CLA group."""
+    return [i for i, block in enumerate(model.blocks) if block.attn.owns_kv]
+
+
 @torch.no_grad()
 def similarities(model):
-    """Each layer's G, of a GPT whose attention weights are float64 on the CPU (analyze.py's
-    checkpoint, or attention_model's copy of a running model's). A variant whose heads are no linear
-    maps of the token gives the pair products of its query and key maps (head_qk_grams, TPA's)."""
-    if all(hasattr(block.attn, "head_qk_grams") for block in model.blocks):
-        return [gram_similarity(*(P.numpy() for P in block.attn.head_qk_grams())) for block in model.blocks]
-    return [head_similarity(Wq, Wk) for Wq, Wk in head_qk_weights(model)]
+    """G of each layer of key_layers, of a GPT whose attention weights are float64 on the CPU
+    (analyze.py's checkpoint, or attention_model's copy of a running model's)."""
+    return [gram_similarity(*model.blocks[i].attn.head_qk_grams(pair_products)) for i in key_layers(model)]
 
 
 def layer_ranks(similarity):
-    """{"effective_rank": per layer, "effective_rank_centered": per layer} of similarities' Gs:
-    what analysis.json and train.py's evaluation records hold under these keys."""
+    """{"effective_rank": per layer, "effective_rank_centered": per layer} of similarities' Gs (the
+    layers of key_layers): what analysis.json and train.py's evaluation records hold under these keys."""
     return {"effective_rank": [effective_rank(G) for G in similarity],
             "effective_rank_centered": [effective_rank(G, centered=True) for G in similarity]}
 

@@ -1,6 +1,6 @@
 """
 The field's strongest rivals of LRKV for a small KV cache, each written through the interface that a
-reader uses to add a variant (model.Attention's docstring), registered into model.ATTENTION by name:
+reader uses to add a variant (model.Attention's docstring; lib/variants.py gives each its --attn name):
 
     gta   GTA, Grouped-Tied Attention: per group one tied key-value state, plus one shared RoPE key
           (Zadouri, Strauss, Dao, "Hardware-Efficient Attention for Fast Decoding", arXiv 2505.21487)
@@ -15,24 +15,35 @@ Each class follows model.py's conventions: the backbone's QK norm (parameter-fre
 query and key head) and RoPE, the queries of Attention.queries (TPA: its own factorised ones), no
 biases, every parameter a 2-D matrix drawn by GPT.reset_parameters. Each latent is normalised by the
 parameter-free norm, as model.py's MLA normalises its latent (the papers' RMSNorm weight and their
-sqrt(d / d_c) scale are absorbed into the next matrix). Each defines what README's "Adding a
-variant" asks: cache_shapes, cache_entries and keys_values, which model.Attention.forward attends over
-in training and decoding (GLA and MLRA train without the key RMS they cache: own forward, as MLA), and
-an exact single-token step registered with lib.decode (`<name>_step`), which reads the compressed cache
-and builds no cached position's key or value, and equals decode.reference_step, the plain equation over
-keys_values (MLRA's sum of softmaxes: its own reference, registered beside its step). Registered into
-model.ATTENTION at the bottom; lib/__init__.py imports this file, so that every script knows the names.
+sqrt(d / d_c) scale are absorbed into the next matrix). Each defines keys_values, what training
+attends over; under "Decoding", cache_shapes, cache_entries and cached_keys_values; and an exact
+single-token step registered with lib.decode (`<name>_step`), which reads the compressed cache and
+builds no cached position's key or value, and equals decode.reference_step, the plain equation over
+cached_keys_values (MLRA's sum of softmaxes: its own reference, registered beside its step). Their
+knobs, RivalKnobs, are fields of lib/variants.py's ModelConfig, so flags of train.py.
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import model
 from lib.decode import masked_softmax, single_token_step
 from model import Attention, apply_rope, norm, rms
+
+
+@dataclass
+class RivalKnobs:
+    """The rivals' own fields of the model's config (lib/variants.ModelConfig), at their papers' defaults."""
+    gta_kv_heads: int = 3  # gta: tied key-value heads G, each read by n_head // G query heads (GQA's G)
+    gla_latent_heads: int = 2  # gla: latent heads, each read by n_head // them query heads (GLA-2)
+    gla_latent_dim: int = 256  # gla: width d_c of each latent head, 2 d_h (GLA-2's 2 x 2 d_h = MLA's 4 d_h)
+    tpa_q_rank: int = 6  # tpa: rank R_Q of the queries' sum of outer products (TPA's R_Q = 6)
+    tpa_kv_rank: int = 2  # tpa: rank R_K = R_V of the keys' and the values' (TPA's R_K = R_V = 2)
+    mlra_latent_heads: int = 4  # mlra: latent heads, each read by every query head (MLRA-4)
+    mlra_latent_dim: int = 128  # mlra: width of each latent head, d_h (MLRA-4's 4 x d_h = MLA's 4 d_h)
 
 
 def sum_of_squares(x):
@@ -69,14 +80,17 @@ class GroupedTiedAttention(Attention):
         self.W_kv = nn.Linear(config.n_embd, self.n_kv_head * config.head_dim, bias=False)  # S_g
         self.W_kr = nn.Linear(config.n_embd, self.rope_dim, bias=False)  # k^R
 
-    def cache_shapes(self):
-        return {"kv": (self.n_kv_head, self.head_dim), "k_rope": (1, self.rope_dim)}
+    def keys_values(self, x, rope):
+        kv, k_rope = self.tied_state(x), self.rope_key(x, rope)
+        return self.keys(kv, k_rope), kv  # the tied state is the value too
 
-    def cache_entries(self, x, rope):
-        """The new tokens' cache entries: S_g (B, T, G, d_h) and the rotated k^R (B, T, 1, d_h/2)."""
-        B, T, _ = x.shape
-        S = self.W_kv(x).view(B, T, self.n_kv_head, self.head_dim)
-        return {"kv": S, "k_rope": apply_rope(self.W_kr(x).unsqueeze(2), rope)}
+    def tied_state(self, x):
+        """Every group's S_g: (B, T, d) -> (B, T, G, d_h)."""
+        return self.W_kv(x).view(*x.shape[:2], self.n_kv_head, self.head_dim)
+
+    def rope_key(self, x, rope):
+        """The rotated k^R: (B, T, d) -> (B, T, 1, d_h/2)."""
+        return apply_rope(self.W_kr(x).unsqueeze(2), rope)
 
     def keys(self, kv, k_rope):
         """Every group's normalised, rotated key [S_g[:d_h/2] | Rot k^R] / rms: (B, S, G, d_h).
@@ -84,8 +98,16 @@ class GroupedTiedAttention(Attention):
         nope = kv[..., :self.head_dim - self.rope_dim]
         return norm(torch.cat((nope, k_rope.expand(*kv.shape[:3], self.rope_dim)), dim=-1))
 
-    def keys_values(self, rope, kv, k_rope):
-        return self.keys(kv, k_rope), kv  # the tied state is the value too
+    # Decoding: the cache holds S_g and the rotated k^R, no more
+
+    def cache_shapes(self):
+        return {"kv": (self.n_kv_head, self.head_dim), "k_rope": (1, self.rope_dim)}
+
+    def cache_entries(self, x, rope):
+        return {"kv": self.tied_state(x), "k_rope": self.rope_key(x, rope)}
+
+    def cached_keys_values(self, rope, kv, k_rope):
+        return self.keys(kv, k_rope), kv
 
     @classmethod
     def check(cls, config):
@@ -167,17 +189,16 @@ class LatentHeadsAttention(Attention):
         k_rope = k_rope.view(*k_rope.shape[:2], *[1] * (k_nope.dim() - 3), self.rope_dim)
         return torch.cat((k_nope, k_rope.expand(*k_nope.shape[:-1], self.rope_dim)), dim=-1)
 
-    def forward(self, x, rope, cache=None):
-        if cache is not None:
-            return super().forward(x, rope, cache)
-        q = self.queries(x, rope)  # (B, T, H, d_h + d_R)
+    def keys_values(self, x, rope):
         c = self.latent(x)  # (B, T, n, d_c)
         k_rope = apply_rope(self.W_kr(x).unsqueeze(2), rope)  # (B, T, 1, d_R)
-        return self.W_o(self.attend(q, norm(self.keys(c, k_rope)), self.values(c)).flatten(2))
+        return norm(self.keys(c, k_rope)), self.values(c)
 
     def attend(self, q, k, v):
         # flash attention needs one head dim for q, k and v: v is zero-padded, the zero outputs dropped
         return super().attend(q, k, F.pad(v, (0, self.rope_dim)))[..., :self.head_dim]
+
+    # Decoding: the cache holds the latent heads, the rotated k^R and each key's RMS
 
     def cache_shapes(self):
         return {"c": (self.n_latent, self.latent_dim), "k_rope": (1, self.rope_dim), "rho": self.rho_shape()}
@@ -186,7 +207,7 @@ class LatentHeadsAttention(Attention):
         c, k_rope = self.latent(x), apply_rope(self.W_kr(x).unsqueeze(2), rope)  # (B, T, 1, d_R)
         return {"c": c, "k_rope": k_rope, "rho": rms(self.keys(c, k_rope))}  # rho: each new key's RMS
 
-    def keys_values(self, rope, c, k_rope, rho):
+    def cached_keys_values(self, rope, c, k_rope, rho):
         return self.keys(c, k_rope) / rho.unsqueeze(-1), self.values(c)
 
     @classmethod
@@ -327,9 +348,9 @@ class MultiHeadLowRankAttention(LatentHeadsAttention):
 
 def mlra_step_reference(attn, q, cached, rope, mask):
     """What mlra_step computes, by the plain equation, where decode.reference_step's one softmax per head
-    cannot: every cached key and value built (keys_values), then
+    cannot: every cached key and value built (cached_keys_values), then
     o_h = (1/sqrt(n)) sum_i softmax(q_h . k_{i,h,s} / sqrt(d_qk)) v_{i,h,s}."""
-    k, v = attn.keys_values(rope, **cached)  # (B, S, n, H, d_qk), (B, S, n, H, d_h)
+    k, v = attn.cached_keys_values(rope, **cached)  # (B, S, n, H, d_qk), (B, S, n, H, d_h)
     scores = torch.einsum("bhd,bsihd->bihs", q[:, 0], k) / math.sqrt(attn.qk_dim)
     a = masked_softmax(scores, mask, q.dtype)
     y = torch.einsum("bihs,bsihd->bhd", a, v) / math.sqrt(attn.n_latent)
@@ -399,24 +420,32 @@ class TensorProductAttention(Attention):
         (B, S, H, d_h)."""
         return torch.einsum("bsrh,bsrd->bshd", a, b) / a.size(2)
 
+    query_weights = ("W_aq", "W_bq")
+
     def queries(self, x, rope):
         return apply_rope(norm(self.product(*self.factors(x, self.W_aq, self.W_bq))), rope)  # (B, T, H, d_h)
+
+    def keys_values(self, x, rope):
+        a_k, b_k = self.factors(x, self.W_ak, self.W_bk)
+        a_v, b_v = self.factors(x, self.W_av, self.W_bv)
+        return self.keys(a_k, apply_rope(b_k, rope)), self.product(a_v, b_v)
+
+    def keys(self, a_k, b_k):
+        """Every head's normalised, rotated key from the factors, b^K rotated: (B, S, H, d_h)."""
+        return norm(self.product(a_k, b_k))
+
+    # Decoding: the cache holds the key factors, b^K rotated, and the value factors
 
     def cache_shapes(self):
         R, H, d_h = self.kv_rank, self.n_head, self.head_dim
         return {"a_k": (R, H), "b_k": (R, d_h), "a_v": (R, H), "b_v": (R, d_h)}
 
     def cache_entries(self, x, rope):
-        """The new tokens' cache entries: the key factors, b^K rotated, and the value factors."""
         a_k, b_k = self.factors(x, self.W_ak, self.W_bk)
         a_v, b_v = self.factors(x, self.W_av, self.W_bv)
         return {"a_k": a_k, "b_k": apply_rope(b_k, rope), "a_v": a_v, "b_v": b_v}
 
-    def keys(self, a_k, b_k):
-        """Every head's normalised, rotated key from the cached factors: (B, S, H, d_h)."""
-        return norm(self.product(a_k, b_k))
-
-    def keys_values(self, rope, a_k, b_k, a_v, b_v):
+    def cached_keys_values(self, rope, a_k, b_k, a_v, b_v):
         return self.keys(a_k, b_k), self.product(a_v, b_v)
 
     @classmethod
@@ -425,8 +454,9 @@ class TensorProductAttention(Attention):
             if not isinstance(getattr(config, field), int) or getattr(config, field) < 1:
                 config.reject(field, "a positive integer")
 
-    def head_qk_grams(self):
-        """diversity.py's pair products of the heads' query and key maps, (H, d_h, H, d_h) each. A TPA
+    def head_qk_grams(self, pair_products):
+        """diversity.py's pair products of the heads' query and key maps, (H, d_h, H, d_h) each, without
+        pair_products, which takes linear maps of x stacked, and TPA's heads are none. A TPA
         head's q_h(x) = (1/R) sum_r (x . alpha_{r,h}) (x B_r) is no linear map of x (alpha_{r,h} the
         row of W_r^{aQ} for head h, B_r = W_r^{bQ} (d x d_h)): it is linear in x (x) x, as
         q_h = (x (x) x) M_h with M_h the symmetric (d^2 x d_h) lift, M_h[(i,j)] = (1/2R) sum_r
@@ -472,8 +502,3 @@ def tpa_step(attn, q, cached, rope, mask):
     a = masked_softmax(dots / (rho.transpose(1, 2) * math.sqrt(d_h)), mask, q.dtype)  # (B, H, S)
     weights = a.unsqueeze(-1) * a_v.permute(0, 3, 1, 2)  # (B, H, S, R): a_{h,s} a^V_{r,s}[h]
     return (torch.einsum("bhsr,bsrd->bhd", weights, b_v) / a_v.size(2)).unsqueeze(1)
-
-
-# The rivals, by the name that GPTConfig.attn (--attn) takes, after model.py's five
-model.ATTENTION.update(gta=GroupedTiedAttention, gla=GroupedLatentAttention, tpa=TensorProductAttention,
-                       mlra=MultiHeadLowRankAttention)

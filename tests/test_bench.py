@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from model import ATTENTION, GPT, GPTConfig
+from lib.variants import ATTENTION, ModelConfig
+from model import GPT
 from tools import bench
 
 
@@ -46,7 +47,7 @@ def test_tiny_bench_writes_a_row_per_variant(tmp_path, capsys):
         assert positive_numbers(train, "ms_per_step", "optimizer_ms", "tokens_per_s", "x_mha")
         assert train["mfu"] is None
         assert [(d["batch_size"], d["context"]) for d in row["decode"]] == [(batch, L) for L in contexts]
-        model = GPT(GPTConfig(attn=name, **result["config"]))
+        model = GPT(ModelConfig(attn=name, **result["config"]))
         for d in row["decode"]:
             assert positive_numbers(d, "ms_per_token", "tokens_per_s", "step_alone_ms_per_token", "cache_mib",
                                     "cache_pct_mha", "x_mha")
@@ -80,7 +81,7 @@ def test_decode_flags_sweep_every_batch_at_every_context(tmp_path):
         assert "train" not in row
         sweep = [(d["batch_size"], d["context"]) for d in row["decode"]]
         assert sweep == [(3, 16), (3, 80), (1, 16), (1, 80)]
-        model = GPT(GPTConfig(attn=name, **result["config"]))
+        model = GPT(ModelConfig(attn=name, **result["config"]))
         for d, baseline in zip(row["decode"], mha):  # each row against MHA's at its batch and context
             assert d["cache_mib"] * 2**20 == model.kv_cache_bytes(d["batch_size"], d["context"], dtype)
             assert d["cache_pct_mha"] == 100 * d["cache_mib"] / baseline["cache_mib"]
@@ -154,13 +155,13 @@ def test_compiled_rounds_keep_a_graph_for_every_variant(monkeypatch):
     default limit of 8 graphs for one function (GPT.last_logits), the ninth would run eager."""
     limits = []
 
-    def step(model, token, caches):  # the compiled step, recording the limit it would compile under
+    def step(model, token, cache):  # the compiled step, recording the limit it would compile under
         limits.append(torch._dynamo.config.recompile_limit)
         return torch.zeros(1, 1, 2)
 
     monkeypatch.setattr(bench, "compiled_step", step)
-    monkeypatch.setattr(bench, "fix", lambda caches: [type("Fixed", (), {"pos": torch.zeros(1)})()])
-    state = {attn: ([type("Cache", (), {})()], 0, torch.zeros(1, 1, dtype=torch.long), None, None)
+    monkeypatch.setattr(bench, "FixedKVCache", lambda cache: type("Fixed", (), {"pos": torch.zeros(1)})())
+    state = {attn: (type("Cache", (), {})(), 0, torch.zeros(1, 1, dtype=torch.long), None, None)
              for attn in ATTENTION}
     assert len(state) > 8
     bench.compiled_rounds(dict.fromkeys(ATTENTION), state, 2, torch.device("cpu"))

@@ -9,8 +9,9 @@ import torch
 
 from lib import convert
 
-from model import ATTENTION, GPT
-from test_model import TINY, tiny_model
+from lib.variants import ATTENTION
+from model import GPT
+from references import TINY, tiny_model
 
 
 def per_head_error(W, heads, C=None):
@@ -44,8 +45,7 @@ def converts_within_reach(attn, covariances):
             assert torch.equal(ours[name], theirs[name]), name
     for layer, (block, source) in enumerate(zip(model.blocks, mha.blocks)):
         C = None if covariances is None else covariances[layer]
-        source_heads = convert.head_kv_weights(source.attn, "mha")
-        for got, heads in zip(convert.head_kv_weights(block.attn, attn), source_heads):
+        for got, heads in zip(block.attn.head_kv_weights(), source.attn.head_kv_weights()):
             mean = heads.mean(0, keepdim=True).expand_as(heads)
             assert per_head_error(got, heads, C) <= per_head_error(mean, heads, C) * (1 + 1e-9)
 
@@ -236,6 +236,7 @@ def test_mean_pooled_heads_are_what_whitening_would_choose(attn):
     ("mla", {}, "MLA is not converted to"),
     ("mha", dict(n_layer=3), "n_layer = 2, this model 3"),
     ("mha", dict(vocab_size=64), "vocab_size = 61, this model 64"),
+    ("mha", dict(cla=2), "cla = 1, this model 2"),
 ])
 def test_what_cannot_convert_is_refused(attn, overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -243,5 +244,15 @@ def test_what_cannot_convert_is_refused(attn, overrides, message):
 
 
 def test_mla_gives_no_per_head_projections():
-    with pytest.raises(ValueError, match="--attn=mla gives no per-head key and value projections"):
+    with pytest.raises(ValueError, match="MultiHeadLatentAttention gives no per-head key and value"):
         converted(tiny_model("mla"), "mha")
+
+
+def test_cla_models_convert_layer_by_layer_where_the_groups_agree():
+    """MHA-CLA2 to LRKV-CLA2 of full rank: each group's first layer converts, the later ones hold
+    queries alone, which carry over, so the logits are MHA-CLA2's."""
+    mha = tiny_model("mha", cla=2)
+    lrkv = converted(mha, "lrkv", lrkv_rank=TINY.head_dim)
+    idx = torch.randint(0, TINY.vocab_size, (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(lrkv(idx)[0], mha(idx)[0], atol=1e-5, rtol=0)

@@ -8,37 +8,40 @@ import torch
 
 from lib import decode
 
-from lib.decode import ExactKVCache, compiled_decode, compiled_step, exact_step, fix
-from model import ATTENTION, GPT, LowRankKVAttention
-from test_model import REFERENCES, TINY, cropped_greedy, small_key_model, tiny_model, token_by_token
+from lib.decode import ExactKVCache, FixedKVCache, compiled_decode, compiled_step, exact_step
+from lib.variants import ATTENTION
+from model import GPT, LowRankKVAttention
+from references import REFERENCES, TINY, cropped_greedy, small_key_model, tiny_model, token_by_token
 
 
 def exact_steps(model, idx, prefix, dtype=torch.float32):
     """idx's logits from position prefix on, each token after a prompt through its variant's
     single-token step (ExactKVCache)."""
-    return token_by_token(model, idx, prefix, dtype, lambda caches: [ExactKVCache(cache) for cache in caches])
+    return token_by_token(model, idx, prefix, dtype, ExactKVCache)
 
 
 def fixed_steps(model, idx, prefix, step):
     """idx's logits from position prefix on: a prompt of prefix tokens, then each token through
-    step(model, token, caches) on fixed-shape caches, advancing their shared position."""
-    caches = model.new_caches(idx.size(0), idx.size(1), dtype=torch.float32)
-    model(idx[:, :prefix], caches=caches)
-    caches = fix(caches)
+    step(model, token, cache) on a fixed-shape cache, advancing its position."""
+    cache = model.new_cache(idx.size(0), idx.size(1), dtype=torch.float32)
+    model(idx[:, :prefix], cache=cache)
+    cache = FixedKVCache(cache)
     logits = []
     for t in range(prefix, idx.size(1)):
-        logits.append(step(model, idx[:, t:t + 1], caches))
-        caches[0].pos += 1
+        logits.append(step(model, idx[:, t:t + 1], cache))
+        cache.pos += 1
     return torch.stack(logits, dim=1)
 
 
+@pytest.mark.parametrize("cla", [1, 2])
 @pytest.mark.parametrize("attn", ATTENTION)
-def test_every_registered_step_equals_its_plain_reference_at_every_step(attn, monkeypatch):
+def test_every_registered_step_equals_its_plain_reference_at_every_step(attn, cla, monkeypatch):
     """A variant's registered step gives what reference_step, the plain equation, gives, on the
     arguments of every step of a decode, and so does each optimised piece it calls (a function of
     decode.py with a `<name>_reference` beside it: LRKV's key_scores and attend_values, MLA's
-    latent_attention). A variant with no registered step has nothing to compare."""
-    model = tiny_model(attn, block_size=64)
+    latent_attention). A variant with no registered step has nothing to compare. With --cla=2 the
+    second layer's queries run the first layer's step over its cache entries."""
+    model = tiny_model(attn, block_size=64, cla=cla)
     step = decode.registered_step(model.blocks[0].attn)
     compared = []
 
@@ -63,15 +66,16 @@ def test_every_registered_step_equals_its_plain_reference_at_every_step(attn, mo
         f"--attn={attn}: its registered step ran {compared.count('step')} times in 32 steps of 2 layers"
 
 
+@pytest.mark.parametrize("cla", [1, 2])
 @pytest.mark.parametrize("attn", ATTENTION)
-def test_exact_steps_give_the_plain_steps_logits(attn):
+def test_exact_steps_give_the_plain_steps_logits(attn, cla):
     """Over 64 positions in fp32 (test_model.py checks the plain steps against a chunk and the full
     forward), and against the full forward in bf16 with small keys."""
-    model = tiny_model(attn, block_size=64)
+    model = tiny_model(attn, block_size=64, cla=cla)
     idx = torch.randint(0, TINY.vocab_size, (2, 64))
     with torch.no_grad():
         assert (exact_steps(model, idx, 8) - token_by_token(model, idx, 8)).abs().max() < 1e-5
-        model = small_key_model(attn)
+        model = small_key_model(attn, cla=cla)
         full, stepped = model(idx[:, :24])[0][:, 8:], exact_steps(model, idx[:, :24], 8, torch.bfloat16)
     assert (stepped - full).norm() / full.norm() < 2e-2
 
@@ -94,11 +98,11 @@ def test_single_token_steps_build_keys_of_their_own_token_only(attn, monkeypatch
         monkeypatch.setattr(owner, name, spied)
     idx = torch.randint(0, TINY.vocab_size, (2, 64))
     with torch.no_grad():
-        caches = model.new_caches(2, 64, dtype=torch.float32)
-        model(idx[:, :8], caches=caches)
+        cache = model.new_cache(2, 64, dtype=torch.float32)
+        model(idx[:, :8], cache=cache)
         positions.clear()
         for t in range(8, 64):
-            exact_step(model, idx[:, t:t + 1], caches)
+            cache = exact_step(model, idx[:, t:t + 1], cache)[1]
     assert positions == [1] * 56 * TINY.n_layer, f"--attn={attn} built keys of {positions[:4]}... positions"
 
 
@@ -112,6 +116,9 @@ def test_greedy_generation_through_exact_steps_is_the_uncached_argmax_loop(attn)
     n = 2 * TINY.block_size + 20
     expected = cropped_greedy(model, prompt, n)
     assert torch.equal(model.generate(prompt, n, temperature=0, step=exact_step), expected)
+    shared = tiny_model(attn, cla=2).double()  # CLA: the second layer reads the first's cache
+    expected = cropped_greedy(shared, prompt, n)
+    assert torch.equal(shared.generate(prompt, n, temperature=0, step=exact_step), expected)
 
 
 def test_a_subclass_inherits_its_parents_step_unless_it_registers_its_own(monkeypatch):
@@ -127,10 +134,11 @@ def test_a_subclass_inherits_its_parents_step_unless_it_registers_its_own(monkey
     assert decode.registered_step(Plain(config, 0)) is None
 
 
+@pytest.mark.parametrize("cla", [1, 2])
 @pytest.mark.parametrize("attn", ATTENTION)
-def test_fixed_shape_steps_equal_the_full_forward(attn):
+def test_fixed_shape_steps_equal_the_full_forward(attn, cla):
     """Every step attends over the whole max_len cache, the positions not yet written masked."""
-    model = tiny_model(attn)
+    model = tiny_model(attn, cla=cla)
     idx = torch.randint(0, TINY.vocab_size, (2, 24))
     with torch.no_grad():
         full = model(idx)[0]
@@ -148,13 +156,13 @@ def test_the_fixed_shape_step_is_one_graph_at_every_position(attn):
     traced = torch.compile(GPT.last_logits, backend="aot_eager", fullgraph=True)
     with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
         assert torch.equal(fixed_steps(model, idx, 6, traced), fixed_steps(model, idx, 6, GPT.last_logits))
-        fixed_steps(model, idx, 9, traced)  # new caches, another starting position: the same graph
+        fixed_steps(model, idx, 9, traced)  # a new cache, another starting position: the same graph
 
 
 @pytest.mark.parametrize("attn", ["mha", "lrkv"])
 def test_compiled_generation_is_eager_generation(attn):
     """generate(step=compiled_decode), inductor's code and all, gives eager's greedy tokens, past
-    the context too, where each new start's caches are fixed again and reuse the graph; and the
+    the context too, where each new start's cache is fixed again and reuse the graph; and the
     same logits to fp32 rounding. The tokens in float64: in fp32 two logits of a random model can
     lie closer than the two paths' rounding differences, and one flipped argmax changes all
     that follows (seen with AVX2 kernels)."""

@@ -32,7 +32,8 @@ from lib import muon
 
 import prepare_data
 import train
-from model import GPT, GPTConfig
+from lib.variants import ModelConfig
+from model import GPT
 
 REPO = Path(__file__).resolve().parents[1]  # the repository, above tests/
 STEPS, STOP = 12, 5
@@ -84,7 +85,7 @@ def test_loss_falls_and_checkpoint_holds_the_run(full_run):
     assert ckpt["val_loss"] == val[STEPS] and ckpt["best_val_loss"] == min(val.values())
     assert ckpt["val_bpb"] == records(full_run, "val_bpb")[STEPS]
     assert ckpt["config"]["max_steps"] == STEPS and ckpt["tokenizer"]["tokenizer"] == "byte"
-    model = GPT(GPTConfig(**ckpt["model_args"]))
+    model = GPT(ModelConfig(**ckpt["model_args"]))
     model.load_state_dict(ckpt["model"])  # strict: no compile or DDP prefixes
     assert not (full_run / "ckpt.pt.tmp").exists()
 
@@ -151,14 +152,23 @@ def test_a_run_shorter_than_its_warmup_is_warned_of_not_refused(data_dir, tmp_pa
     assert warning in capsys.readouterr().err
 
 
-def test_schedule_and_optimizers():
-    cfg = train.TrainConfig(max_steps=100, warmup_steps=10)
-    assert train.lr_multiplier(0, cfg) == pytest.approx(0.1)
-    assert train.lr_multiplier(9, cfg) == train.lr_multiplier(10, cfg) == 1.0
-    assert train.lr_multiplier(55, cfg) == pytest.approx(0.5)
-    assert 0 < train.lr_multiplier(99, cfg) < 1e-3
+@pytest.mark.parametrize("max_steps, warmup_steps", [(100, 10), (1000, 0), (50, 5)])
+def test_the_schedule_warms_up_linearly_to_the_peak_then_decays_toward_zero(max_steps, warmup_steps):
+    """lr_multiplier's properties, whatever its shape after the warm-up: every step's multiplier in
+    (0, 1]; a linear rise of 1 / warmup_steps a step, the first step's included, to the peak, 1; then
+    never rising, down to below 2% of the peak at the last step."""
+    cfg = train.TrainConfig(max_steps=max_steps, warmup_steps=warmup_steps)
+    lr = np.array([train.lr_multiplier(step, cfg) for step in range(max_steps)])
+    assert (0 < lr[:-1]).all() and (0 <= lr[-1]) and (lr <= 1).all()
+    peak = max(warmup_steps, 1) - 1  # the step that first trains at the peak
+    np.testing.assert_allclose(lr[:peak + 1], np.arange(1, peak + 2) / max(warmup_steps, 1))
+    assert lr[peak] == 1 and (np.diff(lr[peak:]) <= 0).all() and lr[-1] < 0.02
 
-    model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, head_dim=16, n_embd=32,
+
+def test_optimizers():
+    cfg = train.TrainConfig(max_steps=100, warmup_steps=10)
+
+    model = GPT(ModelConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, head_dim=16, n_embd=32,
                           attn="lrkv", lrkv_rank=4))
     newton_schulz, adamw = train.configure_optimizers(model, cfg)
     assert isinstance(newton_schulz, muon.Muon)
@@ -364,7 +374,7 @@ def test_presets_parse_and_the_gpu_preset_trains_at_reduced_size(data_dir, tmp_p
     # the paper's ratios at the demo's head dim: LRKV r/d_h = 46/128, MLA d_c/d = 128/768
     assert model.lrkv_rank == round(46 / 128 * model.head_dim) and model.kv_lora_rank * 6 == model.n_embd
     model, cfg = train.parse_args(["config/gpu.py"])
-    assert model == GPTConfig() and (cfg.batch_size, cfg.max_steps, cfg.out_dir) == (16, 8000, "out/mha")
+    assert model == ModelConfig() and (cfg.batch_size, cfg.max_steps, cfg.out_dir) == (16, 8000, "out/mha")
     small = flags(data_dir=data_dir, out_dir=tmp_path, max_steps=2, eval_interval=2)
     assert train.main(["config/gpu.py", *small]) == 0
     assert sorted(records(tmp_path, "loss")) == [1, 2] and sorted(records(tmp_path, "val_loss")) == [2]
@@ -407,7 +417,7 @@ def test_calibration_records_the_normalised_inputs_each_attention_sees(data_dir)
     """attention_input_covariances against the hidden states written out block by block: layer
     l's C is X^T X / N of norm(x) entering block l, over 100 tokens rounded up to 4 windows."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**{k: v for k, v in TINY.items() if k in GPTConfig.__dataclass_fields__}))
+    model = GPT(ModelConfig(**{k: v for k, v in TINY.items() if k in ModelConfig.__dataclass_fields__}))
     with torch.no_grad():
         # the init's zero output projections would make every layer's input alike
         for p in model.parameters():
@@ -422,7 +432,7 @@ def test_calibration_records_the_normalised_inputs_each_attention_sees(data_dir)
         for block in model.blocks:
             X = F.rms_norm(x, (TINY["n_embd"],)).flatten(0, 1)  # (4 * 32, d)
             expected.append(X.T @ X / len(X))
-            x = block(x, model.rope.double())
+            x = block(x, model.rope.double())[0]
     assert len(covariances) == len(expected) == TINY["n_layer"]
     for C, C_expected in zip(covariances, expected):
         assert C.dtype == torch.float64
@@ -432,7 +442,7 @@ def test_calibration_records_the_normalised_inputs_each_attention_sees(data_dir)
 def test_calibration_changes_a_low_rank_conversion_and_zero_tokens_is_the_weights_alone(data_dir, full_run):
     cfg = train.TrainConfig(init_from=str(full_run / "ckpt.pt"), out_dir="unused", seed=1)
     source_args = torch.load(full_run / "ckpt.pt", weights_only=True)["model_args"]
-    model_config = GPTConfig(**{**source_args, "lrkv_rank": 2})
+    model_config = ModelConfig(**{**source_args, "lrkv_rank": 2})
     shards = [prepare_data.read_shard(p) for p in prepare_data.shard_paths(data_dir, "train")]
     batches = prepare_data.TrainBatches(shards, 32)
     source = checkpoint.load_checkpoint(full_run / "ckpt.pt", "cpu")[1]
@@ -452,7 +462,7 @@ def test_calibration_changes_a_low_rank_conversion_and_zero_tokens_is_the_weight
 
 def test_distill_loss_mixes_cross_entropy_with_the_kl_to_the_teachers_distribution():
     torch.manual_seed(0)
-    config = GPTConfig(**{k: v for k, v in TINY.items() if k in GPTConfig.__dataclass_fields__})
+    config = ModelConfig(**{k: v for k, v in TINY.items() if k in ModelConfig.__dataclass_fields__})
     teacher, student = GPT(config), GPT(config)
     with torch.no_grad():
         # the init's zero W_o and near-zero lm_head would leave the distributions nearly uniform

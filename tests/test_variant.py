@@ -5,13 +5,16 @@
 - LRKV whose rank differs from layer to layer;
 - grouped LRKV, one residual for each group of H/G heads, every head its own B_h.
 The last three subclass LowRankKVAttention. Each goes through every test of test_model.py,
-test_decode.py and test_convert.py that runs on every variant, with a Reference in test_model.py's
-REFERENCES; the interleaved one also through train.py (a run and its resume), analyze.py and
-bench.py, the per-layer one through train.py and analyze.py. Each registers what it needs the way
-README's "Adding a variant" says: its single-token step with decode.py (or inherits LRKV's), its
-conversion with convert.py, its key weights with diversity.py, its legend with analyze.py."""
+test_decode.py and test_convert.py that runs on every variant, with a Reference as
+tests/references.py's REFERENCES hold them; the interleaved one also through train.py (a run and
+its resume), analyze.py and bench.py, the per-layer one through train.py and analyze.py. Each gives
+what README's "Adding a variant" asks: its key (and value) weights as methods of its class, its
+single-token step registered with decode.py (or LRKV's, inherited), its conversion with
+convert.py, its legend with analyze.py; the fixture `variant` names it in lib/variants.py's
+ATTENTION for one test."""
 
 import inspect
+import itertools
 import json
 from dataclasses import replace
 
@@ -20,23 +23,17 @@ import torch
 import torch.nn as nn
 
 import analyze
-from tools import bench
-
-from lib import convert
-
-from lib import decode
-
-from lib import diversity
-
-import model
+import references
 import test_analyze
 import test_convert
 import test_decode
 import test_model
 import train
+from lib import convert, decode, variants
 from model import GroupedQueryAttention, LowRankKVAttention, apply_rope, norm, rms
-from test_model import KEY_RMS_MIB, Reference
+from references import KEY_RMS_MIB, Reference
 from test_train import data_dir, flags  # noqa: F401 (data_dir is a fixture)
+from tools import bench
 
 
 class InterleavedGroupedQueryAttention(GroupedQueryAttention):
@@ -44,19 +41,36 @@ class InterleavedGroupedQueryAttention(GroupedQueryAttention):
     query heads read different keys. GQA's projections, checks and cache (2 G d_h per token); only
     which query head reads which key/value head differs."""
 
-    def keys_values(self, rope, k, v):
+    def keys_values(self, x, rope):
+        return self.tiled(*super().keys_values(x, rope))
+
+    def tiled(self, k, v):
         # SDPA's enable_gqa groups heads contiguously: tile the G heads H/G times instead, so that
         # head h meets head h mod G
         tiles = self.n_head // self.n_kv_head
         return k.repeat(1, 1, tiles, 1), v.repeat(1, 1, tiles, 1)
 
+    def cache_entries(self, x, rope):
+        k, v = super().keys_values(x, rope)  # the G heads, not tiled
+        return {"k": k, "v": v}
 
-def interleaved_head_key_weights(attn):
-    Wk = attn.W_k.weight.view(attn.n_kv_head, attn.head_dim, -1).transpose(1, 2)  # (G, d, d_h)
-    return Wk.repeat(attn.n_head // attn.n_kv_head, 1, 1)
+    def cached_keys_values(self, rope, k, v):
+        return self.tiled(k, v)
+
+    def head_kv_weights(self):
+        tiles = self.n_head // self.n_kv_head
+        return tuple(W.weight.view(self.n_kv_head, self.head_dim, -1).repeat(tiles, 1, 1)
+                     for W in (self.W_k, self.W_v))
 
 
-diversity.HEAD_KEY_WEIGHTS[InterleavedGroupedQueryAttention] = interleaved_head_key_weights
+def load_interleaved_head_kv_weights(attn, W_K, W_V, C=None):
+    """Key/value head g the mean of the heads that read it, g, g + G, g + 2 G, ..."""
+    G, d_h = attn.n_kv_head, attn.head_dim
+    for W, heads in ((attn.W_k, W_K), (attn.W_v, W_V)):
+        W.weight.copy_(heads.view(-1, G, d_h, heads.size(-1)).mean(0).flatten(0, 1))
+
+
+convert.LOAD_HEAD_KV_WEIGHTS[InterleavedGroupedQueryAttention] = load_interleaved_head_kv_weights
 
 
 class LowRankKeyAttention(LowRankKVAttention):
@@ -67,12 +81,9 @@ class LowRankKeyAttention(LowRankKVAttention):
         super().__init__(config, layer)
         del self.U_v, self.B_v  # LRKV's value residual, which LRK does without
 
-    def forward(self, x, rope, cache=None):
-        if cache is not None:
-            return super().forward(x, rope, cache)
-        q = self.queries(x, rope)
+    def keys_values(self, x, rope):
         k = self.head_keys(x)[2]  # (B, T, H, d_h): K_h
-        return self.W_o(self.attend(q, apply_rope(norm(k), rope), self.values(self.W_shared_v(x))).flatten(2))
+        return apply_rope(norm(k), rope), self.values(self.W_shared_v(x))
 
     def values(self, v_shared):
         return v_shared.unsqueeze(2).expand(-1, -1, self.n_head, -1)  # (B, S, H, d_h)
@@ -86,8 +97,13 @@ class LowRankKeyAttention(LowRankKVAttention):
         return {"k_shared": apply_rope(k_shared.unsqueeze(2), rope).squeeze(2), "r_k": r_k, "rho": rms(k),
                 "v_shared": self.W_shared_v(x)}
 
-    def keys_values(self, rope, k_shared, r_k, rho, v_shared):
+    def cached_keys_values(self, rope, k_shared, r_k, rho, v_shared):
         return self.keys(k_shared, r_k, rho, rope), self.values(v_shared)
+
+    def head_kv_weights(self):
+        H, d_h, r = self.n_head, self.head_dim, self.lrkv_rank
+        residuals = torch.einsum("hdr,hrc->hdc", self.B_k.view(H, d_h, r), self.U_k.weight.view(H, r, -1))
+        return self.W_shared_k.weight + residuals, self.W_shared_v.weight.expand(H, -1, -1)  # (H, d_h, d)
 
 
 @decode.single_token_step(LowRankKeyAttention)
@@ -97,18 +113,12 @@ def lrk_step(attn, q, cached, rope, mask):
     return (decode.masked_softmax(scores, mask, q.dtype) @ cached["v_shared"]).unsqueeze(1)
 
 
-def lrk_head_kv_weights(attn):
-    W_V = attn.W_shared_v.weight.expand(attn.n_head, -1, -1)  # (H, d_h, d)
-    return convert.lrkv_head_weights(attn, attn.W_shared_k, attn.U_k, attn.B_k), W_V
-
-
 def load_lrk_head_kv_weights(attn, W_K, W_V, C=None):
     """The keys as LRKV converts them; the one value the heads' mean, as MQA's."""
     convert.load_lrkv_head_weights(attn, W_K, attn.W_shared_k, attn.U_k, attn.B_k, C)
     attn.W_shared_v.weight.copy_(W_V.mean(0))
 
 
-convert.HEAD_KV_WEIGHTS[LowRankKeyAttention] = lrk_head_kv_weights
 convert.LOAD_HEAD_KV_WEIGHTS[LowRankKeyAttention] = load_lrk_head_kv_weights
 
 
@@ -153,21 +163,20 @@ class GroupedLowRankKVAttention(LowRankKVAttention):
         residuals = (self.n_groups, self.lrkv_rank)
         return {**super().cache_shapes(), "r_k": residuals, "r_v": residuals}
 
+    def head_kv_weights(self):
+        H, G, d_h, r = self.n_head, self.n_groups, self.head_dim, self.lrkv_rank
+
+        def heads(W_shared, U, factor):
+            U_t = U.weight.view(G, r, -1).repeat_interleave(H // G, dim=0)  # (H, r, d)
+            return W_shared.weight + torch.einsum("hdr,hrc->hdc", factor.view(H, d_h, r), U_t)
+        return heads(self.W_shared_k, self.U_k, self.B_k), heads(self.W_shared_v, self.U_v, self.B_v)
+
 
 @decode.single_token_step(GroupedLowRankKVAttention)
 def grouped_lrkv_step(attn, q, cached, rope, mask):
     """LRKV's step on each head's residual."""
     per_head = {name: attn.per_head(t) if name in ("r_k", "r_v") else t for name, t in cached.items()}
     return decode.lrkv_step(attn, q, per_head, rope, mask)
-
-
-def grouped_lrkv_head_kv_weights(attn):
-    H, G, d_h, r = attn.n_head, attn.n_groups, attn.head_dim, attn.lrkv_rank
-
-    def heads(W_shared, U, factor):
-        U_t = U.weight.view(G, r, -1).repeat_interleave(H // G, dim=0)  # (H, r, d)
-        return W_shared.weight + torch.einsum("hdr,hrc->hdc", factor.view(H, d_h, r), U_t)
-    return heads(attn.W_shared_k, attn.U_k, attn.B_k), heads(attn.W_shared_v, attn.U_v, attn.B_v)
 
 
 def load_grouped_lrkv_head_kv_weights(attn, W_K, W_V, C=None):
@@ -187,7 +196,6 @@ def load_grouped_lrkv_head_kv_weights(attn, W_K, W_V, C=None):
         factor.copy_(P.flatten(0, 1))  # (H d_h, r)
 
 
-convert.HEAD_KV_WEIGHTS[GroupedLowRankKVAttention] = grouped_lrkv_head_kv_weights
 convert.LOAD_HEAD_KV_WEIGHTS[GroupedLowRankKVAttention] = load_grouped_lrkv_head_kv_weights
 
 
@@ -203,7 +211,7 @@ def grouped_lrkv_keys_values(attn, x, config):
 
 def interleaved_keys_values(attn, x, config):
     H, G, d_h, T = config.n_head, config.n_kv_head, config.head_dim, x.size(1)
-    k, v = (test_model.lin(x[0], W).view(T, G, d_h) for W in (attn.W_k, attn.W_v))
+    k, v = (references.lin(x[0], W).view(T, G, d_h) for W in (attn.W_k, attn.W_v))
     return [k[:, h % G] for h in range(H)], [v[:, h % G] for h in range(H)], d_h
 
 
@@ -216,44 +224,44 @@ def lrk_keys_values(attn, x, config):
     H, d_h, r = config.n_head, config.head_dim, config.lrkv_rank
     U, B = attn.U_k.weight.double().view(H, r, -1), attn.B_k.double().view(H, d_h, r)
     keys = [x[0] @ (attn.W_shared_k.weight.double() + B[h] @ U[h]).t() for h in range(H)]
-    return keys, [test_model.lin(x[0], attn.W_shared_v)] * H, d_h
+    return keys, [references.lin(x[0], attn.W_shared_v)] * H, d_h
 
 
 # the paper's 128M shape: 12 layers of 6 heads of 128, r = 46 (lrkv_per_layer: 46, 92, then 128)
 PAPER_BF16_MIB_PER_ELEMENT = 12 * 2048 * 2 / 2**20
 
-# Each variant's class, its Reference (test_model.py's REFERENCES) and its legend (analyze.LEGEND)
+# Each variant's class, its Reference (as references.py's REFERENCES) and its legend (analyze.LEGEND)
 VARIANTS = {
     "gqa_interleaved": (InterleavedGroupedQueryAttention, Reference(
         keys_values=interleaved_keys_values, head_keys=interleaved_head_keys,
         params=lambda c, layer: (2 * c.n_kv_head * c.n_embd * c.head_dim, c.head_dim),
         paper_cache_mib=36, decoder_extra_mib=0,  # GQA's: 3 of 6 KV heads
         cache_elements=lambda c, layer: 2 * c.n_kv_head * c.head_dim,
-        key_weights=("W_k",), key_builder=test_model.grouped_key_builder),
+        key_weights=("W_k",), key_builder=references.grouped_key_builder),
         (lambda config, peers: f"Interleaved GQA ({config.n_kv_head} KV heads)",
          lambda config: config.n_kv_head)),
     "lrk": (LowRankKeyAttention, Reference(
-        keys_values=lrk_keys_values, head_keys=test_model.lrkv_head_keys,
+        keys_values=lrk_keys_values, head_keys=references.lrkv_head_keys,
         # W_shared^K and W_shared^V (d x d_h), and each head's U_h^K (d x r) and B_h^K (d_h x r)
         params=lambda c, layer: (
             2 * c.n_embd * c.head_dim + c.n_head * c.lrkv_rank * (c.n_embd + c.head_dim), c.head_dim),
         paper_cache_mib=24.9375,  # 12 layers x 2048 tokens x (2 d_h + H r = 2 x 128 + 6 x 46) x 2 bytes
         decoder_extra_mib=KEY_RMS_MIB,
         cache_elements=lambda c, layer: 2 * c.head_dim + c.n_head * c.lrkv_rank + c.n_head,
-        key_weights=("W_shared_k", "U_k"), key_builder=test_model.lrkv_key_builder),
+        key_weights=("W_shared_k", "U_k"), key_builder=references.lrkv_key_builder),
         (lambda config, peers: f"LRK (r={config.lrkv_rank})", lambda config: config.lrkv_rank)),
     "lrkv_per_layer": (PerLayerRankAttention, Reference(
-        keys_values=test_model.lrkv_keys_values, head_keys=test_model.lrkv_head_keys,
+        keys_values=references.lrkv_keys_values, head_keys=references.lrkv_head_keys,
         params=lambda c, layer: (
             2 * c.n_embd * c.head_dim + 2 * c.n_head * layer_rank(c, layer) * (c.n_embd + c.head_dim),
             c.head_dim),
         paper_cache_mib=(2 * 128 + 2 * 6 * (46 + 92 + 10 * 128) / 12) * PAPER_BF16_MIB_PER_ELEMENT,
         decoder_extra_mib=KEY_RMS_MIB,
         cache_elements=lambda c, layer: 2 * c.head_dim + 2 * c.n_head * layer_rank(c, layer) + c.n_head,
-        key_weights=("W_shared_k", "U_k"), key_builder=test_model.lrkv_key_builder),
+        key_weights=("W_shared_k", "U_k"), key_builder=references.lrkv_key_builder),
         (lambda config, peers: f"LRKV (r={config.lrkv_rank} x layer)", lambda config: config.lrkv_rank)),
     "lrkv_grouped": (GroupedLowRankKVAttention, Reference(
-        keys_values=grouped_lrkv_keys_values, head_keys=test_model.lrkv_head_keys,
+        keys_values=grouped_lrkv_keys_values, head_keys=references.lrkv_head_keys,
         # W_shared^K and W_shared^V (d x d_h), each group's U_g (d x r) and each head's B_h (d_h x r)
         params=lambda c, layer: (
             2 * c.n_embd * c.head_dim + 2 * c.lrkv_rank * (c.n_kv_head * c.n_embd + c.n_head * c.head_dim),
@@ -261,7 +269,7 @@ VARIANTS = {
         paper_cache_mib=(2 * 128 + 2 * 3 * 46) * PAPER_BF16_MIB_PER_ELEMENT,  # 3 groups at 128M
         decoder_extra_mib=KEY_RMS_MIB,
         cache_elements=lambda c, layer: 2 * c.head_dim + 2 * c.n_kv_head * c.lrkv_rank + c.n_head,
-        key_weights=("W_shared_k", "U_k"), key_builder=test_model.lrkv_key_builder),
+        key_weights=("W_shared_k", "U_k"), key_builder=references.lrkv_key_builder),
         (lambda config, peers: f"Grouped LRKV (r={config.lrkv_rank}, {config.n_kv_head} groups)",
          lambda config: config.lrkv_rank)),
 }
@@ -271,28 +279,34 @@ VARIANTS = {
 def variant(request, monkeypatch):
     """One of the variants above, registered under its --attn name for one test: its name."""
     name, (cls, reference, legend) = request.param, VARIANTS[request.param]
-    monkeypatch.setitem(model.ATTENTION, name, cls)
-    monkeypatch.setitem(test_model.REFERENCES, name, reference)
+    monkeypatch.setitem(variants.ATTENTION, name, cls)
+    monkeypatch.setitem(references.REFERENCES, name, reference)
     monkeypatch.setitem(analyze.LEGEND, name, legend)
     return name
 
 
-def runs_on_every_variant(test):
+def parameters(test):
+    """{name: values} of a test's parametrize marks."""
     marks = getattr(test, "pytestmark", [])
-    return any(mark.name == "parametrize" and mark.args[1] is model.ATTENTION for mark in marks)
+    return {mark.args[0]: mark.args[1] for mark in marks if mark.name == "parametrize"}
 
 
-# Every test of test_model.py, test_decode.py and test_convert.py parametrized over the registry
+# Every test of test_model.py, test_decode.py and test_convert.py parametrized over every variant
 GENERIC_TESTS = [test for module in (test_model, test_decode, test_convert)
                  for name, test in vars(module).items()
-                 if name.startswith("test_") and runs_on_every_variant(test)]
+                 if name.startswith("test_") and parameters(test).get("attn") is variants.ATTENTION]
 
 
 @pytest.mark.parametrize("generic_test", GENERIC_TESTS, ids=lambda test: test.__name__)
 def test_generic_model_tests_pass(generic_test, variant, request):
-    assert 1 < test_model.TINY.n_kv_head < test_model.TINY.n_head  # else interleaved groups are contiguous
-    fixtures = list(inspect.signature(generic_test).parameters)[1:]  # what it takes besides attn
-    generic_test(variant, **{name: request.getfixturevalue(name) for name in fixtures})
+    """Each generic test on the variant, at every value of its other parameters (--cla's), the rest
+    of its arguments fixtures."""
+    assert 1 < references.TINY.n_kv_head < references.TINY.n_head  # else interleaved groups are contiguous
+    others = {name: values for name, values in parameters(generic_test).items() if name != "attn"}
+    fixtures = [name for name in list(inspect.signature(generic_test).parameters)[1:] if name not in others]
+    for values in itertools.product(*others.values()):
+        generic_test(variant, **dict(zip(others, values)),
+                     **{name: request.getfixturevalue(name) for name in fixtures})
 
 
 @pytest.mark.parametrize("variant", ["gqa_interleaved"], indirect=True)
@@ -316,7 +330,7 @@ def test_trains_resumes_is_analyzed_and_benched(variant, data_dir, tmp_path):
     bench.main(["--preset=tiny", "--device=cpu", "--check", "--no-compiled_decode",
                 f"--out={tmp_path / 'bench.json'}"])
     result = json.loads((tmp_path / "bench.json").read_text())
-    assert list(result["variants"]) == list(model.ATTENTION) and variant in result["variants"]
+    assert list(result["variants"]) == list(variants.ATTENTION) and variant in result["variants"]
     row = result["variants"][variant]
     assert row["check"]["ok"], row["check"]
     assert [d["cache_pct_mha"] for d in row["decode"]] == [50, 50]  # 2 of 4 KV heads

@@ -55,9 +55,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lib.checkpoint import check_writable
 from lib.configurator import ArgumentParser, ConfigError
-from lib.decode import ExactKVCache, compiled_step, exact_step, fix
+from lib.decode import ExactKVCache, FixedKVCache, compiled_step, exact_step
 from lib.hardware import DEVICES, PRECISION_NAMES, USES, peak_flops, pick_device, precision
-from model import ATTENTION, GPT, GPTConfig
+from lib.variants import ATTENTION, ModelConfig
+from model import GPT
 from prepare_data import atomic_open
 from train import TrainConfig, configure_optimizers, optimizer_step
 
@@ -132,9 +133,9 @@ def check(config, preset, device, dtype):
         flash_error = str(e).splitlines()[0]
     with torch.inference_mode():
         full = model(idx)[0]
-        caches = model.new_caches(2, T, dtype)
-        steps = [model(idx[:, :T - n], caches=caches)[0]]
-        steps += [model(idx[:, t:t + 1], caches=caches)[0] for t in range(T - n, T)]
+        cache = model.new_cache(2, T, dtype)
+        steps = [model(idx[:, :T - n], cache=cache)[0]]
+        steps += [model(idx[:, t:t + 1], cache=cache)[0] for t in range(T - n, T)]
         cached = torch.cat(steps, dim=1)
     rel_err = ((cached - full).norm() / full.norm()).item()
     tol = 5e-2 if dtype == torch.bfloat16 else 1e-4
@@ -250,33 +251,31 @@ def bench_decode(configs, preset, device, dtype, compiled, measured=lambda rows:
         prompt = torch.randint(vocab_size, (B, L - DECODE_WARMUP - n), device=device)
         state = {}
         for attn, model in models.items():
-            caches = model.new_caches(B, L, dtype)
+            cache = model.new_cache(B, L, dtype)
             if random_caches:
-                token = fill_randomly(caches, prompt)
+                token = fill_randomly(model, cache, prompt)
             else:
-                token = model(prompt, caches=caches)[0][:, -1:].argmax(-1)
-            caches = [ExactKVCache(cache) for cache in caches]  # each step through its variant's own
+                token = model(prompt, cache=cache)[0][:, -1:].argmax(-1)
+            cache = ExactKVCache(cache)  # each step through its variant's own
             for _ in range(DECODE_WARMUP):
-                token = model(token, caches=caches)[0].argmax(-1)
-            state[attn] = (caches, caches[0].pos, token, [], [])
+                token = model(token, cache=cache)[0].argmax(-1)
+            state[attn] = (cache, cache.pos, token, [], [])
         for _ in range(DECODE_ROUNDS):
-            for attn, (caches, start, token, alone, back_to_back) in state.items():
-                for cache in caches:
-                    cache.pos = start
+            for attn, (cache, start, token, alone, back_to_back) in state.items():
+                cache.pos = start
                 for _ in range(n):
                     t0 = clock(device)
-                    token = models[attn](token, caches=caches)[0].argmax(-1)
+                    token = models[attn](token, cache=cache)[0].argmax(-1)
                     alone.append(clock(device) - t0)
-                for cache in caches:
-                    cache.pos = start
+                cache.pos = start
                 t0 = clock(device)
                 for _ in range(n):
-                    token = models[attn](token, caches=caches)[0].argmax(-1)
+                    token = models[attn](token, cache=cache)[0].argmax(-1)
                 back_to_back.append((clock(device) - t0) / n)
         fixed = compiled_rounds(models, state, n, device) if compiled else {}
-        for attn, (caches, _, _, alone, back_to_back) in state.items():
+        for attn, (cache, _, _, alone, back_to_back) in state.items():
             ms = 1000 * statistics.median(back_to_back)
-            mib = sum(buf.nbytes for cache in caches for buf in cache.buffers()) / MIB
+            mib = sum(buf.nbytes for buf in cache.buffers()) / MIB
             compiled_ms, compile_s = fixed.get(attn, (None, None))
             rows[attn].append(dict(batch_size=B, context=L, ms_per_token=ms, tokens_per_s=B * 1000 / ms,
                                    step_alone_ms_per_token=1000 * statistics.median(alone), cache_mib=mib,
@@ -305,13 +304,14 @@ def bench_decode(configs, preset, device, dtype, compiled, measured=lambda rows:
     return result
 
 
-def fill_randomly(caches, prompt):
-    """Fill caches to where a prefill of prompt (B, T) would leave them, with random entries (each
-    key RMS in [0.5, 1.5], as a RMS is positive); return the token that a prefill would have
-    drawn, a random one."""
-    for cache in caches:
-        cache.pos = prompt.size(1)
-        for name, buf in cache.named_buffers():
+def fill_randomly(model, cache, prompt):
+    """Fill model's cache to where a prefill of prompt (B, T) would leave it, with random entries (each
+    key RMS in [0.5, 1.5], as a RMS is positive), after a prefill of its first token; return the token
+    that a prefill would have drawn, a random one."""
+    model(prompt[:, :1], cache=cache)
+    cache.pos = prompt.size(1)
+    for layer in cache.layers:
+        for name, buf in layer.items():
             buf.uniform_(0.5, 1.5) if name == "rho" else buf.uniform_(-0.5, 0.5)
     return torch.randint_like(prompt[:, :1], int(prompt.max()) + 1)
 
@@ -327,10 +327,9 @@ def compiled_rounds(models, state, n, device):
     # the 8 graphs dynamo keeps of one function by default, past which the ninth would run eager
     limit = max(torch._dynamo.config.recompile_limit, len(state))
     with torch._dynamo.config.patch(recompile_limit=limit):
-        for attn, (caches, start, token, _, _) in state.items():
-            for cache in caches:
-                cache.pos = start
-            fixed[attn] = fix(caches)
+        for attn, (cache, start, token, _, _) in state.items():
+            cache.pos = start
+            fixed[attn] = FixedKVCache(cache)
             seconds = []
             for _ in range(DECODE_WARMUP):
                 t0 = clock(device)
@@ -340,11 +339,11 @@ def compiled_rounds(models, state, n, device):
             times[attn] = []
         for _ in range(DECODE_ROUNDS):
             for attn, (_, start, token, _, _) in state.items():
-                fixed[attn][0].pos.fill_(start)
+                fixed[attn].pos.fill_(start)
                 t0 = clock(device)
                 for _ in range(n):
                     token = compiled_step(models[attn], token, fixed[attn]).argmax(-1, keepdim=True)
-                    fixed[attn][0].pos += 1
+                    fixed[attn].pos += 1
                 times[attn].append((clock(device) - t0) / n)
     return {attn: (1000 * statistics.median(t), compile_s[attn]) for attn, t in times.items()}
 
@@ -532,7 +531,7 @@ def main(argv=None):
                      f"{preset['new_tokens']} + {DECODE_WARMUP} tokens after a prompt, so at least "
                      f"{shortest}")
     # the RoPE table has block_size rows, and no weight depends on it
-    block_size = max(GPTConfig(**preset["model"]).block_size, *preset["contexts"])
+    block_size = max(ModelConfig(**preset["model"]).block_size, *preset["contexts"])
     preset["model"] = {**preset["model"], "block_size": block_size}
     compile = device.type == "cuda" if args.compile is None else args.compile
     (dtype, _), (ns_dtype, _), (decode_dtype, _) = policy.values()
@@ -546,7 +545,7 @@ def main(argv=None):
     result = dict(
         preset=args.preset, date=datetime.now(timezone.utc).isoformat(timespec="seconds"), device=name,
         torch=torch.__version__,
-        config={k: v for k, v in asdict(GPTConfig(**preset["model"])).items() if k != "attn"},
+        config={k: v for k, v in asdict(ModelConfig(**preset["model"])).items() if k != "attn"},
         train=dict(batch_size=preset["batch_size"], seq_len=preset["seq_len"], warmup=preset["warmup"],
                    steps=preset["steps"], compile=compile,
                    dtype=PRECISION_NAMES[dtype] + " autocast" * (dtype == torch.bfloat16),
@@ -562,12 +561,12 @@ def main(argv=None):
             log(ceilings(p))
         save(result, args.out)
     if args.check and device.type == "cuda":
-        baseline = GPTConfig(attn=BASELINE, **preset["model"])
+        baseline = ModelConfig(attn=BASELINE, **preset["model"])
         ms = result["mha_sdpa_ms"] = sdpa_backend_ms(baseline, preset, device)
         log(f"{BASELINE}, eager, per SDPA backend: {backend_times(ms)}")
         save(result, args.out)
     for attn in dict.fromkeys((BASELINE, *args.attn)) if args.only != "peaks" else ():
-        config = GPTConfig(attn=attn, **preset["model"])
+        config = ModelConfig(attn=attn, **preset["model"])
         row = result["variants"][attn] = {}
         if args.check:
             row["check"] = check(config, preset, device, decode_dtype)
@@ -595,7 +594,7 @@ def main(argv=None):
             for attn, decode_rows in rows.items():
                 result["variants"][attn]["decode"] = decode_rows
             save(result, args.out)
-        decoded = bench_decode({attn: GPTConfig(attn=attn, **preset["model"]) for attn in result["variants"]},
+        decoded = bench_decode({attn: ModelConfig(attn=attn, **preset["model"]) for attn in result["variants"]},
                                preset, device, decode_dtype, args.compiled_decode, measured,
                                args.random_caches)
         for attn, (rows, uncached) in decoded.items():

@@ -69,7 +69,8 @@ from lib import parallel
 import train
 from tools.bench import variants
 from lib.configurator import ArgumentParser, ConfigError
-from model import ATTENTION, GPT, GPTConfig
+from lib.variants import ATTENTION, ModelConfig
+from model import GPT
 
 GIB = 2**30
 REPO = Path(__file__).resolve().parents[1]  # the repository, above tools/
@@ -143,7 +144,7 @@ def activation_bytes(config, micro_batch, weight_dtype, autocast, checkpointed, 
 
 @functools.cache  # a plan asks for the same simulation several times, a 6.3B one takes seconds
 def simulated_activation_bytes(config_fields, micro_batch, weight_dtype, autocast, checkpointed, keep_grads):
-    config = GPTConfig(*config_fields)
+    config = ModelConfig(*config_fields)
     with FakeTensorMode():
         with default_dtype(weight_dtype):
             model = GPT(config)
@@ -272,6 +273,16 @@ def recorded_mfu():
     return {attn: v["train"]["mfu"] for attn, v in record["variants"].items() if "train" in v}
 
 
+def assumed_mfu(attn, args, recorded):
+    """(MFU, where it comes from) of a variant: --mfu, else its H200 record, else MHA's record (a
+    variant not measured yet, as the rivals)."""
+    if args.mfu:
+        return args.mfu, "given"
+    if attn in recorded:
+        return recorded[attn], "H200 record"
+    return recorded["mha"], "MHA's H200 record: not measured"
+
+
 def variant_config(config, attn):
     return dataclasses.replace(config, attn=attn)
 
@@ -291,8 +302,7 @@ def plan_tables(config, cfg, args, machine):
     for attn in args.attn:
         with torch.device("meta"):
             model = GPT(variant_config(config, attn))
-        m = args.mfu or mfu[attn]
-        source = "given" if args.mfu else "H200 record"
+        m, source = assumed_mfu(attn, args, mfu)
         h, h_ac = (hours(model, cfg, args.gpus, m, args.peak_tflops * 1e12, ac) for ac in (False, True))
         cache_mib = model.kv_cache_bytes(1, T, torch.bfloat16) / 2**20
         lines.append(f"| {attn} | {model.get_num_params() / 1e9:.3f}B | {cache_mib:.1f} MiB | "
@@ -339,8 +349,8 @@ def sizes_table(args, machine):
                     b = largest_fit(c, cfg, args.gpus, fsdp, checkpointed, machine, gib * GIB)
                     if b:
                         peak = memory(c, cfg, args.gpus, b, fsdp, checkpointed, machine)["peak"]
-                        h = hours(model, cfg, args.gpus, args.mfu or mfu[attn], args.peak_tflops * 1e12,
-                                  checkpointed)
+                        h = hours(model, cfg, args.gpus, assumed_mfu(attn, args, mfu)[0],
+                                  args.peak_tflops * 1e12, checkpointed)
                         cell = f"{name}, {b}, {peak / GIB:.0f}, {h:,.0f}"
                         break
                 cells.append(cell)
