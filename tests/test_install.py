@@ -2,7 +2,7 @@
 and with nvidia-smi listing none; TORCH=cpu and cuda override it, any other value is a one-line error;
 an unreachable CPU index falls back to PyPI's torch and says why, within the probe's timeout even
 where the server never answers; a torch that satisfies requirements.txt is kept; the line comes
-before pip runs."""
+before pip runs, and make's install rule runs the script before requirements-dev.txt."""
 
 import http.server
 import socket
@@ -203,3 +203,10 @@ def test_probe_is_bounded_where_the_name_lookup_hangs():
     assert probe("https://example.invalid/", timeout=0.3, opener=opener) == "no answer in 0.3 s"
     assert time.monotonic() - start < 1
 
+
+def test_makes_install_rule_picks_torch_before_the_rest():
+    commands = subprocess.run(["make", "-n", "-B", ".venv/installed", "TORCH=cpu"], cwd=REPO,
+                              capture_output=True, text=True, check=True).stdout.splitlines()
+    picks = [i for i, c in enumerate(commands) if c == ".venv/bin/python tools/install_torch.py cpu"]
+    rest = [i for i, c in enumerate(commands) if "pip install -q -r requirements-dev.txt" in c]
+    assert len(picks) == 1 and len(rest) == 1 and picks[0] < rest[0], commands
