@@ -160,11 +160,12 @@ def test_installed_torch_checks_the_requirement():
 
 @pytest.fixture
 def server():
-    """A local HTTP server that answers 200 to HEAD /ok and 404 to any other path."""
+    """A local HTTP server that answers 200 to GET /ok and 404 to any other path."""
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_HEAD(self):
+        def do_GET(self):
             self.send_response(200 if self.path == "/ok" else 404)
             self.end_headers()
+            self.wfile.write(b"<html>" + b"x" * 100_000)  # an index page the probe need not read
 
         def log_message(self, *args):
             pass

@@ -33,7 +33,7 @@ def torch_requirement(path=REQUIREMENTS):
     """requirements.txt's torch line, e.g. 'torch>=2.9', so that the version lives in one place."""
     for line in Path(path).read_text().splitlines():
         line = line.split("#")[0].strip()
-        if re.match(r"torch\b(?![-_.\w])", line):
+        if re.match(r"torch(?![-_.\w])", line):
             return line
     raise ValueError(f"{path} names no torch")
 
@@ -66,14 +66,15 @@ def nvidia_gpus(which=shutil.which, run=subprocess.run):
     return gpus, f"nvidia-smi lists {gpus} GPU{'s' if gpus != 1 else ''}"
 
 
-def probe(url=CPU_INDEX, timeout=PROBE_TIMEOUT, opener=urllib.request.urlopen):
-    """None where url answers 200 within timeout seconds, else why not. The request runs in a
-    daemon thread that is abandoned at the deadline: a socket timeout does not bound a name lookup."""
+def probe(url=f"{CPU_INDEX}/torch/", timeout=PROBE_TIMEOUT, opener=urllib.request.urlopen):
+    """None where url (the page pip reads first) answers 200 within timeout seconds, else why not; the
+    body is not read. The request runs in a daemon thread that is abandoned at the deadline: a
+    socket timeout does not bound a name lookup."""
     outcome = []
 
     def ask():
         try:
-            with opener(urllib.request.Request(url, method="HEAD"), timeout=timeout) as response:
+            with opener(url, timeout=timeout) as response:
                 outcome.append(None if response.status == 200 else f"HTTP {response.status}")
         except Exception as error:  # any failure is a reason to fall back, and is reported
             reason = getattr(error, "reason", None) or error
