@@ -5,7 +5,12 @@
 # make demo-deep (SEED=1 too): the same six runs at the paper's 12 layers, into out/demo-deep(-seed1).
 # make demo-rivals (SEED=1 too): GTA, GLA, TPA and MLRA (lib/rivals.py) beside make demo's MHA, LRKV r=8, MLA.
 # make convert (after make demo): the demo's MHA models converted to smaller caches and uptrained.
+# make demo TORCH=cpu (or cuda): the first make's venv with that build of PyTorch. By default
+# (TORCH=auto) the CUDA build where `nvidia-smi -L` lists a GPU, else the CPU one, and PyPI's
+# (CUDA) torch where PyTorch's CPU index is out of reach; tools/install_torch.py says which and why.
+# A venv keeps its torch: rm -r .venv to change build.
 PYTHON ?= python3
+TORCH ?= auto
 VENV := .venv
 PY := $(VENV)/bin/python
 SEED ?= 0
@@ -38,6 +43,7 @@ FLAGS_gqa := --attn=gqa
 
 $(VENV)/installed: requirements.txt requirements-fineweb.txt requirements-dev.txt
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(PY) tools/install_torch.py $(TORCH)
 	$(PY) -m pip install -q -r requirements-dev.txt
 	touch $@
 
