@@ -10,6 +10,7 @@ caches and how its keys and values come back from the cache: skip it on a first 
 lib/decode.py has the exact single-token steps; lib/variants.py maps each --attn name to its class.
 """
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -620,3 +621,11 @@ class KVCache:
 
     def advance(self, T):
         self.pos += T
+
+    def repeat(self, n):
+        """A cache of n copies of each sequence, in a row, at the same position: one prompt, prefilled
+        once, continued n ways (eval.py scores the choices of a question so)."""
+        repeated = copy.copy(self)
+        repeated.layers = [{name: buf.repeat_interleave(n, dim=0) for name, buf in layer.items()}
+                           for layer in self.layers]
+        return repeated

@@ -108,6 +108,21 @@ def test_cached_decoding_equals_full_forward(attn, cla):
 
 
 @pytest.mark.parametrize("attn", ATTENTION)
+def test_a_repeated_cache_continues_one_prompt_several_ways(attn):
+    """A prompt prefilled once, its cache repeated for 3 continuations of different tokens: each
+    continuation's logits are the full forward's of prompt + continuation."""
+    model = tiny_model(attn, cla=2)
+    prompt = torch.randint(0, TINY.vocab_size, (1, 9))
+    continuations = torch.randint(0, TINY.vocab_size, (3, 6))
+    with torch.no_grad():
+        cache = model.new_cache(1, 15, dtype=torch.float32)
+        model(prompt, cache=cache)
+        logits = model(continuations, cache=cache.repeat(3))[0]
+        full = model(torch.cat((prompt.expand(3, -1), continuations), dim=1))[0][:, 9:]
+    assert cache.pos == 9 and (logits - full).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("attn", ATTENTION)
 def test_cla_layers_hold_queries_alone_and_cache_nothing(attn):
     """--cla=2: the second layer of each pair keeps W_o and its queries' weights, and nothing else
     (no key or value weights), and caches nothing: the model caches what its first layers cache at
