@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lib import configurator
+from lib import configurator, downstream
 from lib.checkpoint import (EVALS, WriteError, checkpoint_dict, claim_out_dir, load_checkpoint,
                             load_resume_checkpoint, log, log_eval, restore, save_checkpoint, start_log)
 from lib.configurator import SEED_LIMIT, ConfigError
@@ -43,7 +43,7 @@ from lib.muon import Muon
 from lib.parallel import gathered, no_sync, parallelize, process_group, world
 from lib.variants import ModelConfig
 from model import GPT
-from prepare_data import TOKENIZERS, TrainBatches, load_meta, read_shards, token_bytes
+from prepare_data import TOKENIZERS, TrainBatches, get_tokenizer, load_meta, read_shards, token_bytes
 
 
 @dataclass
@@ -83,6 +83,10 @@ class TrainConfig:
     # the fixed validation slice, in whole block_size windows from the start of the val split
     eval_tokens: int = 2**21
     log_interval: int = 100
+    # downstream tasks scored at every evaluation into log.jsonl, as OLMo scores its in-loop ones: eval.py's
+    # short names, comma-separated (lib/downstream.py), each on its first eval_tasks_limit documents (0: all)
+    eval_tasks: str = ""
+    eval_tasks_limit: int = 0
     # system
     seed: int = 0
     device: str = "auto"  # auto: cuda, then mps, then cpu
@@ -102,8 +106,8 @@ class TrainConfig:
                       "log_interval"):
             if getattr(self, field) < 1:
                 bad(field, "a positive integer")
-        for field in ("stop_after", "calibration_tokens", "warmup_steps", "muon_lr", "adamw_lr",
-                      "embedding_lr", "unembedding_lr", "weight_decay", "grad_clip"):
+        for field in ("stop_after", "eval_tasks_limit", "calibration_tokens", "warmup_steps", "muon_lr",
+                      "adamw_lr", "embedding_lr", "unembedding_lr", "weight_decay", "grad_clip"):
             if not getattr(self, field) >= 0:  # `not >=` also refuses nan
                 bad(field, "zero or more")
         if not 0 <= self.seed < SEED_LIMIT:
@@ -152,6 +156,7 @@ def main(argv=None):
         forced_precision()
         with claim_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite) if rank == 0 else nullcontext():
             data = load_data(cfg, model_config)
+            tasks = load_eval_tasks(cfg, data[0]) if rank == 0 else {}
             device = pick_device(cfg.device, local_rank)
             resumed = load_resume_checkpoint(cfg, model_config) if cfg.resume else None
             # --init_from seeds a run's first job; its --resume jobs go on from their own checkpoint
@@ -163,7 +168,7 @@ def main(argv=None):
                 torch.cuda.set_device(device)
             with process_group(device, world_size):
                 return train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, world_size,
-                             teacher)
+                             teacher, tasks)
     except ConfigError as e:  # bad input, found before training or (a token outside the vocabulary) in it
         if rank == 0:
             print(f"train.py: {e}", file=sys.stderr)
@@ -173,10 +178,11 @@ def main(argv=None):
         return 1
 
 
-def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, world_size, teacher=None):
+def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, world_size, teacher=None,
+          tasks=None):
     """Train up to step min(max_steps, stop_after) from load_checkpoint's (ckpt, model) to resume,
     or from the weights of load_init_checkpoint, or (both None) from the start, distilling teacher
-    (--distill) if given; the exit code."""
+    (--distill) if given, scoring tasks (load_eval_tasks') at every evaluation; the exit code."""
     meta, batches, val_tokens, bytes_per_token = data
     is_main = rank == 0
     dtype = run_dtype(cfg, device)
@@ -224,7 +230,8 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
                                      world_size)
         weights = gathered(raw_model.state_dict())  # every rank: under FSDP, gathering is a collective
         if is_main:
-            log_eval(out_dir, 0, val_loss, val_bpb, weight_ranks(weights, model_config))
+            log_eval(out_dir, 0, val_loss, val_bpb, weight_ranks(weights, model_config),
+                     score_tasks(raw_model, tasks, autocast, meta["eot_id"]))
 
     # timings average over each log interval; on CUDA the first one includes torch.compile's compiling
     t0, timed_steps = time.perf_counter(), 0
@@ -270,7 +277,8 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
             # every rank: under FSDP, gathering the shards to rank 0 is a collective
             saved = checkpoint_dict(raw_model, model_config, cfg, optimizers, step, evals, meta, device)
             if is_main:  # the heads' diversity from the weights just gathered: no collective of its own
-                log_eval(out_dir, step, val_loss, val_bpb, weight_ranks(saved["model"], model_config))
+                log_eval(out_dir, step, val_loss, val_bpb, weight_ranks(saved["model"], model_config),
+                         score_tasks(raw_model, tasks, autocast, meta["eot_id"]))
                 save_checkpoint(ckpt_path, saved)
             t0, timed_steps = time.perf_counter(), 0
     return 0
@@ -411,6 +419,31 @@ def evaluate(model, val_tokens, bytes_per_token, block_size, batch_size, autocas
         totals = totals.cpu()
     nats, byte_nats, nbytes = totals.tolist()
     return nats / (len(windows) * block_size), byte_nats / (math.log(2) * nbytes)
+
+
+def load_eval_tasks(cfg, meta):
+    """--eval_tasks' tasks in the data's tokens: {name: (Task, Tokenized)}, {} for none; a ConfigError
+    (an unknown task, the package missing) before anything trains."""
+    names = [name.strip() for name in cfg.eval_tasks.split(",") if name.strip()]
+    if names and cfg.fsdp:
+        raise ConfigError("--eval_tasks: rank 0 scores the tasks alone, which a model sharded by --fsdp "
+                          "cannot")
+    if not names:
+        return {}
+    root, tokenizer = downstream.package_dir(), get_tokenizer(meta["tokenizer"])
+    tasks = {name: downstream.load_task(name, cfg.eval_tasks_limit, root) for name in dict.fromkeys(names)}
+    return {name: (task, downstream.tokenize(task, tokenizer)) for name, task in tasks.items()}
+
+
+def score_tasks(model, tasks, autocast, pad_id):
+    """{name: {"metric", "value", "chance"}} of the model on tasks (load_eval_tasks'), in the run's precision;
+    None for no tasks."""
+    if not tasks:
+        return None
+    with autocast:
+        results = {name: downstream.evaluate_task(model, task, tokenized, pad_id=pad_id)
+                   for name, (task, tokenized) in tasks.items()}
+    return {name: {key: r[key] for key in ("metric", "value", "chance")} for name, r in results.items()}
 
 
 # ---------------------------------------------------------------------------------------------
