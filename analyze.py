@@ -9,6 +9,7 @@ $ python analyze.py out/mha/ckpt.pt --layer mean --centered --out_dir figures
 Writes effective_rank.png, head_correlation.png, kv_tradeoff.png, kv_cache.png (what each run
 caches per token), loss_curves.png and rank_during_training.png (from each run's log.jsonl beside
 its checkpoint: the losses, and the effective ranks train.py logs at every evaluation),
+tasks_during_training.png (where train.py --eval_tasks logged downstream scores),
 rank_energy.png (for an MHA checkpoint: how much rank its heads' keys and values need, from the
 weights alone and, where its training data is there, as the inputs of its attention see them)
 and analysis.json, and prints a table. Runs started
@@ -107,6 +108,19 @@ def ranks_during_training(records):
     return {key: [record[key] for record in logged] for key in keys}
 
 
+def tasks_during_training(records):
+    """The downstream scores train.py --eval_tasks logged beside the checkpoint (records), at each
+    evaluation that has them: {name: {"metric", "chance", "step": [...], "value": [...]}}, or None."""
+    tasks = {}
+    for record in records:
+        for name, score in record.get("tasks", {}).items():
+            task = tasks.setdefault(name, {"metric": score["metric"], "chance": score.get("chance"),
+                                           "step": [], "value": []})
+            task["step"].append(record["step"])
+            task["value"].append(score["value"])
+    return tasks or None
+
+
 def analyze(path):
     """The checkpoint's config, and what analysis.json records of it apart from its label."""
     try:
@@ -155,6 +169,7 @@ def analyze(path):
         "rank_energy": rank_energy(model),
         **layer_ranks(similarity),
         "ranks_during_training": ranks_during_training(records),
+        "tasks_during_training": tasks_during_training(records),
         "similarity": [G.tolist() for G in similarity],
     }
 
@@ -307,6 +322,33 @@ def plot_rank_during_training(runs, centered):
     axes[0].set_ylabel("PCA-based effective rank" if centered else "Effective rank")
     fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right upper")
     fig.suptitle(f"Head Diversity During Training ({model_size(logged[0]['n_params'])})")
+    return fig
+
+
+def plot_tasks_during_training(runs):
+    """Each downstream task's metric against the training step (train.py --eval_tasks), a panel a
+    task, a line per run that logged it, the chance level dashed: the downstream view of the loss
+    curves and of rank_during_training.png."""
+    names = list(dict.fromkeys(name for run in runs for name in run["tasks_during_training"] or {}))
+    fig = Figure(figsize=(4.3 * len(names) + 2.5, 3.8), layout="constrained")
+    axes = fig.subplots(1, len(names), squeeze=False)[0]
+    for ax, name in zip(axes, names):
+        for run in runs:
+            task = (run["tasks_during_training"] or {}).get(name)
+            if task:
+                ax.plot(task["step"], task["value"], marker="o", markersize=3, color=run["color"],
+                        linestyle=line_style(run), label=run["label"])
+                metric, chance = task["metric"], task["chance"]
+        if chance is not None:
+            ax.axhline(chance, color="gray", linestyle="--", label="chance")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.set_title(name)
+        ax.set_xlabel("Training step")
+        ax.set_ylabel("bits per byte (lower is better)" if metric == "bpb" else f"accuracy ({metric})")
+    handles = {label: h for ax in axes for h, label in zip(*ax.get_legend_handles_labels())}
+    fig.legend(handles.values(), handles.keys(), loc="outside right upper")
+    fig.suptitle("Downstream Tasks During Training")
     return fig
 
 
@@ -561,6 +603,8 @@ def main(argv=None):
         "loss_curves.png": plot_loss_curves(runs),
         "rank_during_training.png": plot_rank_during_training(runs, args.centered),
     }
+    if any(run["tasks_during_training"] for run in runs):  # train.py --eval_tasks
+        figures["tasks_during_training.png"] = plot_tasks_during_training(runs)
     mha = next((run for run in runs if run["attn"] == "mha" and run["rank_energy"] and not run["init_from"]),
                None)
     if mha is not None:
