@@ -76,8 +76,8 @@ def print_table(tasks, runs):
         print("  ".join([row[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(row[1:], widths[1:]))]))
         if n == len(head) - 1:
             print("-" * (sum(widths) + 2 * (len(widths) - 1)))
-    print("bpb: bits per byte of the gold continuation, lower is better; acc, len_norm: accuracy, by "
-          "log-likelihood (len_norm: per character)")
+    print("bpb: bits per byte of the gold answer (lower is better); acc, len_norm: accuracy, the likeliest "
+          "choice (len_norm: per character)")
 
 
 def print_list(tasks):
