@@ -62,8 +62,9 @@ def format_value(result):
     return f"{100 * result['value']:.1f}%"
 
 
-def print_table(tasks, runs):
-    """One row per run, one column per task, below the tasks' metric, size and chance level."""
+def print_table(tasks, runs, markdown=False):
+    """One row per run, one column per task, below the tasks' metric, size and chance level; as a
+    Markdown table (docs/results.md's) with markdown."""
     head = [("", *tasks),
             ("metric", *(t["metric"] for t in tasks.values())),
             ("documents", *(str(t["docs"]) if t["docs"] == t["total"] else f"{t['docs']} of {t['total']}"
@@ -71,6 +72,12 @@ def print_table(tasks, runs):
             ("chance", *("-" if t["chance"] is None else f"{100 * t['chance']:.1f}%"
                          for t in tasks.values()))]
     rows = head + [(run["label"], *(format_value(run["tasks"][name]) for name in tasks)) for run in runs]
+    if markdown:
+        for n, row in enumerate(rows):
+            print("| " + " | ".join(row) + " |")
+            if n == 0:
+                print("|---|" + "---:|" * len(tasks))
+        return
     widths = [max(len(row[col]) for row in rows) for col in range(len(rows[0]))]
     for n, row in enumerate(rows):
         print("  ".join([row[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(row[1:], widths[1:]))]))
@@ -145,6 +152,7 @@ def main(argv=None):
     parser.add_argument("--batch_tokens", type=positive_int, default=8192,
                         help="most tokens a forward pass scores at once")
     parser.add_argument("--list", action="store_true", help="list the tasks, their metric and size, and exit")
+    parser.add_argument("--markdown", action="store_true", help="print the table in Markdown")
     args = parser.parse_args(argv)
     try:
         if args.list:
@@ -185,7 +193,7 @@ def main(argv=None):
         return 130
     runs = labelled(runs)
     print()
-    print_table(tasks, runs)
+    print_table(tasks, runs, args.markdown)
     if args.out is not None:
         results = dict(package=f"{downstream.DISTRIBUTION}=={downstream.pinned_version()}",
                        prompt="end-of-text token, then context, then continuation, tokenized apart",
