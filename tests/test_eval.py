@@ -21,7 +21,7 @@ import eval as eval_script
 import train
 from lib import downstream
 from lib.variants import ATTENTION
-from prepare_data import ByteTokenizer
+from prepare_data import ByteTokenizer, get_tokenizer
 from references import naive_forward, tiny_model
 from test_train import data_dir, flags  # noqa: F401 (data_dir is a fixture)
 
@@ -149,14 +149,36 @@ def hand_made(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def real_tasks():
-    """A few documents of four of the package's tasks: shared contexts (hellaswag, arc_easy), choices
-    that differ before a shared continuation (winogrande), long gold answers (humaneval)."""
+    """A few documents of five of the package's tasks: shared contexts (hellaswag, arc_easy), choices
+    that differ before a shared continuation (winogrande), long gold answers (humaneval), and MMLU
+    from the package's Arrow files."""
     return [downstream.load_task(name, limit) for name, limit in
-            (("hellaswag", 3), ("arc_easy", 3), ("winogrande", 3), ("humaneval", 2))]
+            (("hellaswag", 3), ("arc_easy", 3), ("winogrande", 3), ("humaneval", 2), ("mmlu", 2))]
 
 
 # ---------------------------------------------------------------------------------------------
 # The math
+
+def test_requests_are_read_and_tokenized_as_olmo_reads_them(real_tasks):
+    """The end-of-text token, then context and continuation each encoded alone (GPT-2 merges a leading
+    space into the word after it), the gold continuation alone for bpb, the unconditioned requests
+    dropped; MMLU's prompt as olmo_eval's MMLU class writes it."""
+    hellaswag, _, winogrande, humaneval, mmlu = real_tasks
+    assert [len(doc.requests) for doc in hellaswag.docs] == [4, 4, 4] and hellaswag.metric == "len_norm"
+    assert [len(doc.requests) for doc in humaneval.docs] == [1, 1] and humaneval.total == 164
+    context, continuation = humaneval.docs[0].requests[0]
+    assert context.startswith("from typing import List") and continuation.startswith("    for idx, elem")
+    assert winogrande.docs[0].requests[0][1] == winogrande.docs[0].requests[1][1]  # one ending, two contexts
+    question, choice = mmlu.docs[0].requests[mmlu.docs[0].label]
+    assert question.startswith("Question: ") and question.endswith("\nAnswer:") and choice.startswith(" ")
+    gpt2 = get_tokenizer("gpt2")
+    tokenized = downstream.tokenize(hellaswag, gpt2)
+    context, continuation = hellaswag.docs[0].requests[1]
+    expected = [gpt2.eot_id, *gpt2.enc.encode(context), *gpt2.enc.encode(continuation)]
+    assert tokenized.tokens[1].tolist() == expected
+    assert tokenized.start[1] == 1 + len(gpt2.enc.encode(context))
+    assert tokenized.str_len[1] == len(continuation) and tokenized.byte_len[1] == len(continuation.encode())
+
 
 def test_windows_score_each_token_once_from_the_earliest_window():
     for n, start in ((5, 2), (200, 3), (200, 190), (97, 1)):
