@@ -116,7 +116,7 @@ HAND_MADE = [  # (context, choices, the right one)
     (CONTEXT + " To read a file of JSON, call json.", [" load(f)", " loads(f)", " dumps(obj, f)"], 0),
     ("Which keyword defines a function in Python? It is", [" def", " lambda x", " function", " fn"], 0),
     ("x = [1, 2, 3]\nprint(len(x))\n# prints", [" 3", " three items in a row", " 6"], 0),
-    (CONTEXT * 2 + " Its dump function writes to", [" a file object.", " the screen."], 0),
+    (CONTEXT * 2 + " Its dump function writes to", [" a file object.", " l’écran (the screen)."], 0),
     ("A docstring is", [" the first statement of a module, class or function.", " a comment."], 1),
 ]
 GOLD = [("def add(a, b):\n    \"\"\"Return a + b.\"\"\"\n", "    return a + b\n" * 6),
@@ -192,18 +192,51 @@ def test_windows_score_each_token_once_from_the_earliest_window():
 
 
 def test_uniform_model_scores_what_is_known(hand_made):
-    """A model whose every next-byte distribution is uniform: each ASCII continuation has 8 bits per
-    byte, acc picks the shortest choice (the likeliest), len_norm ties and picks the first."""
+    """A model whose every next-byte distribution is uniform: each continuation has 8 bits per byte,
+    acc picks the shortest choice in bytes (the likeliest), len_norm (per character) the first of
+    those with one byte a character (here the first choice)."""
     model = tiny_model("lrkv", vocab_size=256).double()
     with torch.no_grad():
         model.lm_head.weight.zero_()
     acc, len_norm, gold = (ours(model, task) for task in hand_made)
-    shortest = [min(range(len(choices)), key=lambda i: len(choices[i])) for _, choices, _ in HAND_MADE]
+    shortest = [min(range(len(choices)), key=lambda i: len(choices[i].encode()))
+                for _, choices, _ in HAND_MADE]
     assert acc["value"] == sum(s == label for s, (_, _, label) in zip(shortest, HAND_MADE)) / len(HAND_MADE)
     assert len_norm["value"] == sum(label == 0 for *_, label in HAND_MADE) / len(HAND_MADE)
     assert gold["value"] == pytest.approx(8.0, abs=1e-6) and acc["gold_bpb"] == pytest.approx(8.0, abs=1e-6)
     assert acc["chance"] == pytest.approx(sum(1 / len(c) for _, c, _ in HAND_MADE) / len(HAND_MADE))
     assert gold["chance"] is None
+
+
+def test_metric_definitions_equal_icl_metric_on_the_same_log_likelihoods(hand_made, ICLMetric):
+    """task_metrics against ICLMetric fed exactly the same log-likelihoods: each request a one-token
+    continuation whose logits row [ll, log(1 - e^ll)] has log-softmax ll at token 0, its lengths in
+    characters and bytes the request's. Two choices of the first document tie: both pick the first."""
+    for task in hand_made:
+        tokenized = downstream.tokenize(task, TOK)
+        scores = (-torch.rand(len(tokenized.tokens), dtype=torch.float64) * 80 - 1).tolist()
+        if len(task.docs[0].requests) > 1:
+            scores[1] = scores[0]
+        metric = ICLMetric(task.metric)
+        r = 0
+        for doc in task.docs:
+            for choice, (_, continuation) in enumerate(doc.requests):
+                ll = torch.tensor(scores[r], dtype=torch.float64)
+                one = lambda value: torch.tensor([value])  # noqa: E731
+                batch = dict(doc_id=one(doc.doc_id), cont_id=one(choice), label_id=one(doc.label),
+                             continuation=torch.zeros(1, 1, dtype=torch.long), ctx_len=one(1),
+                             cont_len=one(1),
+                             cont_str_len=one(tokenized.str_len[r]), cont_byte_len=one(tokenized.byte_len[r]),
+                             cont_str_len_no_leading_space=one(len(continuation) - 1),
+                             cont_byte_len_no_leading_space=one(len(continuation[1:].encode())))
+                metric.update(batch, [torch.stack((ll, torch.log1p(-ll.exp())))[None]])
+                r += 1
+        computed = metric.compute()
+        ours = downstream.task_metrics(task, tokenized, scores)
+        key = "bpb_v2" if task.metric == "bpb" else f"{task.metric}_v1"
+        # ICLMetric holds its numbers in float32 tensors: equal to float32's precision
+        assert ours["value"] == pytest.approx(float(computed[key]), rel=1e-6, abs=1e-7), task.source
+        assert ours["gold_bpb"] == pytest.approx(float(computed["bpb_v2"]), rel=1e-6), task.source
 
 
 @pytest.mark.parametrize("which", ["hand_made", "real_tasks"])
