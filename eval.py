@@ -138,10 +138,12 @@ def score(path, tasks, device, batch_tokens):
 
 
 def main(argv=None):
-    """The exit code: 0 done, 2 bad input, 130 interrupted (nothing written)."""
+    """The exit code: 0 done, 1 --out could not be written, 2 bad input, 130 interrupted (nothing
+    written)."""
     parser = ArgumentParser(prog="eval.py", description=__doc__.strip().split("\n\n")[0])
     parser.add_argument("inputs", nargs="*",
-                        help="checkpoints (ckpt.pt), or eval.py's --out files to tabulate")
+                        help="checkpoints (ckpt.pt), or eval.py's --out files to tabulate (--tasks and "
+                             "--limit are theirs then)")
     parser.add_argument("--tasks", default=DEFAULT_TASKS,
                         help=f"comma-separated short names (--list), each optionally name:setting; "
                              f"default {DEFAULT_TASKS}")
@@ -164,7 +166,10 @@ def main(argv=None):
             raise ConfigError(f"--limit={args.limit}: must be 0 (all) or more")
         if args.out is not None:
             check_writable(args.out)
-        if all(str(path).endswith(".json") for path in args.inputs):
+        results_files = [str(path).endswith(".json") for path in args.inputs]
+        if any(results_files) and not all(results_files):
+            raise ConfigError("give checkpoints to score, or results files (.json) to tabulate, not both")
+        if all(results_files):
             tasks, runs = read_results(args.inputs)
             runs = [{k: v for k, v in run.items() if k != "label"} for run in runs]
         else:
@@ -175,7 +180,7 @@ def main(argv=None):
                 raise ConfigError("--tasks: no task named; --list shows them")
             loaded = {name: downstream.load_task(name, args.limit, root) for name in names}
             for path in args.inputs:  # every checkpoint checked before any is scored
-                load_checkpoint(path)
+                load_tokenizer(path, load_checkpoint(path)[0])
             device = pick_device(args.device)
     except ConfigError as e:
         print(f"eval.py: {e}", file=sys.stderr)

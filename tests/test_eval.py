@@ -394,6 +394,8 @@ def test_checkpoint_that_cannot_load_is_one_line_naming_it(trained, tmp_path, ca
     assert eval_script.main([str(trained / "ckpt.pt"), str(bad), f"--out={out}"]) == 2
     assert str(bad) in one_line_error(capsys)
     assert not out.exists()
+    assert eval_script.main([str(trained / "ckpt.pt"), str(tmp_path / "results.json")]) == 2
+    assert "not both" in one_line_error(capsys)
 
 
 def test_interrupted_run_leaves_no_results_file(trained, tmp_path, monkeypatch, capsys):
