@@ -28,7 +28,8 @@ comes later changes nothing before it).
 Speed: the windows of different requests are padded to one length and batched; the choices of a
 document share their context, so each window they share is prefilled once into the model's KV
 cache (GPT.new_cache) and every choice's tokens after the common prefix continue it
-(KVCache.repeat). Both paths give the same log-likelihoods (tests/test_eval.py).
+(KVCache.repeat), where that spares enough tokens to pay for its two forward passes
+(SHARE_MIN_TOKENS). Both paths give the same log-likelihoods (tests/test_eval.py).
 """
 
 import gzip
@@ -368,6 +369,21 @@ def common_prefix(arrays):
     return n
 
 
+# score_shared spends two forward passes on one document's windows where score_plain would score
+# them in a share of one batched pass: it pays where the prefill spares at least this many tokens.
+# On the demo's CPU, arc_easy's and hellaswag's first windows (4 choices after 100-odd shared
+# bytes) were scored 1.1-1.2x faster through the cache; WinoGrande's, whose 2 choices share 40-odd
+# bytes, 1.2-1.4x slower (docs/benchmarks.md).
+SHARE_MIN_TOKENS = 256
+
+
+def shares_enough(inputs):
+    """Whether windows with these inputs (one document's choices) go through score_shared: the
+    n - 1 prefixes it spares, of P >= 1 tokens each, make SHARE_MIN_TOKENS or more."""
+    P = common_prefix(inputs)
+    return P > 0 and (len(inputs) - 1) * P >= SHARE_MIN_TOKENS
+
+
 @torch.no_grad()
 def score_shared(model, jobs, pad_id):
     """(len(jobs),) float64: the log-likelihood of each of jobs, windows of one document's choices at
@@ -388,9 +404,9 @@ def score_shared(model, jobs, pad_id):
 
 def score_requests(model, tokenized, requests, batch_tokens=8192, share=True, pad_id=0):
     """{request: summed log-likelihood of its continuation, float64} for the requests given (indices
-    into tokenized). The windows of one document's choices at one start whose inputs share a prefix
-    go through score_shared; every other window through score_plain, batched. share=False: all of
-    them through score_plain (the tests compare the two)."""
+    into tokenized). The windows of one document's choices at one start whose inputs share enough of
+    a prefix (shares_enough) go through score_shared; every other window through score_plain,
+    batched. share=False: all of them through score_plain (the tests compare the two)."""
     jobs = jobs_of(tokenized, requests, model.config.block_size)
     groups = {}  # (document, window start): its jobs
     for k, job in enumerate(jobs):
@@ -398,7 +414,7 @@ def score_requests(model, tokenized, requests, batch_tokens=8192, share=True, pa
     scores = torch.zeros(len(jobs), dtype=torch.float64)
     plain = []
     for group in groups.values():
-        if share and len(group) > 1 and common_prefix([jobs[k].inputs for k in group]) > 0:
+        if share and len(group) > 1 and shares_enough([jobs[k].inputs for k in group]):
             scores[group] = score_shared(model, [jobs[k] for k in group], pad_id).cpu()
         else:
             plain += group

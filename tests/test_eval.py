@@ -239,8 +239,13 @@ def test_metric_definitions_equal_icl_metric_on_the_same_log_likelihoods(hand_ma
         assert ours["gold_bpb"] == pytest.approx(float(computed["bpb_v2"]), rel=1e-6), task.source
 
 
+@pytest.mark.parametrize("min_shared", [1, downstream.SHARE_MIN_TOKENS])
 @pytest.mark.parametrize("which", ["hand_made", "real_tasks"])
-def test_metrics_equal_olmo_metric_on_the_float64_reference(which, request, ICLMetric):
+def test_metrics_equal_olmo_metric_on_the_float64_reference(which, min_shared, request, ICLMetric,
+                                                            monkeypatch):
+    """Through the cache wherever a document's choices share a prefix (min_shared 1), and as the
+    default routes them (at L = 32 few windows spare enough)."""
+    monkeypatch.setattr(downstream, "SHARE_MIN_TOKENS", min_shared)
     model = tiny_model("lrkv", vocab_size=256).double()
     tasks = request.getfixturevalue(which)
     assert {task.metric for task in tasks} == {"acc", "len_norm", "bpb"}
@@ -266,10 +271,11 @@ VARIANTS = [(attn, 1) for attn in ATTENTION] + [("mqa", 2), ("lrkv", 2)]
 
 
 @pytest.mark.parametrize("attn,cla", VARIANTS)
-def test_cached_prefix_equals_scoring_from_scratch(attn, cla, real_tasks, hand_made):
+def test_cached_prefix_equals_scoring_from_scratch(attn, cla, real_tasks, hand_made, monkeypatch):
     """Every variant: the choices continued from one prefilled KV cache score as the same windows
     run from scratch, and that path is taken."""
     model = tiny_model(attn, vocab_size=256, cla=cla).double()
+    monkeypatch.setattr(downstream, "SHARE_MIN_TOKENS", 1)  # every window that can, through the cache
     for task in [*real_tasks[:3], hand_made[0]]:
         tokenized = downstream.tokenize(task, TOK)
         requests = range(len(tokenized.tokens))
