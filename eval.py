@@ -63,20 +63,22 @@ def format_value(result):
 
 
 def print_table(tasks, runs, markdown=False):
-    """One row per run, one column per task, below the tasks' metric, size and chance level; as a
-    Markdown table (docs/results.md's) with markdown."""
-    head = [("", *tasks),
-            ("metric", *(t["metric"] for t in tasks.values())),
+    """One row per run, one column per task, below the tasks' metric, size and chance level, and last
+    the run's validation loss (train.py's, beside which the tasks are read); as a Markdown table
+    (docs/results.md's) with markdown."""
+    head = [("", *tasks, "val loss"),
+            ("metric", *(t["metric"] for t in tasks.values()), "nats/token"),
             ("documents", *(str(t["docs"]) if t["docs"] == t["total"] else f"{t['docs']} of {t['total']}"
-                            for t in tasks.values())),
+                            for t in tasks.values()), ""),
             ("chance", *("-" if t["chance"] is None else f"{100 * t['chance']:.1f}%"
-                         for t in tasks.values()))]
-    rows = head + [(run["label"], *(format_value(run["tasks"][name]) for name in tasks)) for run in runs]
+                         for t in tasks.values()), "")]
+    rows = head + [(run["label"], *(format_value(run["tasks"][name]) for name in tasks),
+                    "-" if run.get("val_loss") is None else f"{run['val_loss']:.3f}") for run in runs]
     if markdown:
         for n, row in enumerate(rows):
             print("| " + " | ".join(row) + " |")
             if n == 0:
-                print("|---|" + "---:|" * len(tasks))
+                print("|---|" + "---:|" * (len(tasks) + 1))
         return
     widths = [max(len(row[col]) for row in rows) for col in range(len(rows[0]))]
     for n, row in enumerate(rows):

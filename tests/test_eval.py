@@ -329,7 +329,7 @@ def test_training_scores_the_tasks_at_every_evaluation_as_eval_py_does(trained, 
     assert eval_script.main([str(out)]) == 0
     assert f"{LIMIT} of 570" in capsys.readouterr().out
     assert eval_script.main([str(out), "--markdown"]) == 0
-    assert f"| documents | {LIMIT} of 164 | {LIMIT} of 570 |" in capsys.readouterr().out
+    assert f"| documents | {LIMIT} of 164 | {LIMIT} of 570 |  |" in capsys.readouterr().out
 
 
 def test_analyze_draws_the_tasks_beside_the_ranks(trained, tmp_path):
