@@ -103,10 +103,11 @@ def apply_rope(x, rope):
 class Attention(nn.Module):
     """What every variant shares: H query heads q_h = Rot(norm(x W_h^Q)), causal softmax attention
     over the variant's keys and values, and the output projection W_o. A variant defines
-    keys_values(x, rope), the keys and values of the tokens x, and for decoding cache_shapes();
-    cache_entries and cached_keys_values have defaults (README: Adding a variant). Every parameter
-    is a matrix (Muon's). In a group of config.cla layers (CLA) the later ones keep only their
-    queries and W_o and attend with the first layer's keys and values, kv_layer's."""
+    keys_values(x, rope), the keys and values of the tokens x: G key/value heads, G = H where every
+    head has its own (MHA, LRKV, MLA); and for decoding cache_shapes(), with cache_entries and
+    cached_keys_values where it caches something else than its keys and values (README: Adding a
+    variant). Every parameter is a matrix (Muon's). In a group of config.cla layers (CLA) the later
+    ones keep only their queries and W_o and attend with the first layer's keys and values."""
 
     query_weights = ("W_q",)  # what makes the queries: a layer that shares keys keeps them (TPA's own)
 
@@ -144,17 +145,6 @@ class Attention(nn.Module):
                                            enable_gqa=gqa)
         return y.transpose(1, 2)  # (B, T, H, d_v)
 
-    @property
-    def owns_kv(self):
-        """False in the later layers of a CLA group, which hold no key or value weights."""
-        return self.kv_layer == self.layer
-
-    def drop_keys_values(self):
-        """Keep the queries' weights and W_o alone: this layer attends with kv_layer's keys and values."""
-        for name, _ in [*self.named_children(), *self.named_parameters(recurse=False)]:
-            if name not in (*self.query_weights, "W_o"):
-                delattr(self, name)
-
     @classmethod
     def check(cls, config: "GPTConfig") -> None:
         """Reject (config.reject) a knob of the variant's own that it cannot be built with."""
@@ -166,6 +156,19 @@ class Attention(nn.Module):
     def attention_macs(self, seq_len: int) -> int:
         """Multiply-adds per token, forward, of q k^T and a v over seq_len keys, all heads."""
         return self.n_head * (self.qk_dim + self.head_dim) * seq_len
+
+    # Cross-layer attention (CLA): a layer that reads another's keys and values
+
+    @property
+    def owns_kv(self):
+        """False in the later layers of a CLA group, which hold no key or value weights."""
+        return self.kv_layer == self.layer
+
+    def drop_keys_values(self):
+        """Keep the queries' weights and W_o alone: this layer attends with kv_layer's keys and values."""
+        for name, _ in [*self.named_children(), *self.named_parameters(recurse=False)]:
+            if name not in (*self.query_weights, "W_o"):
+                delattr(self, name)
 
     # Decoding: what a token leaves in the cache, and every position's keys and values from it
 

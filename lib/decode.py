@@ -15,7 +15,8 @@ every position's cache entries, the new token's included; rope (S, rope_dim) the
 mask None (all S visible) or (1, S) bool, the positions the token may see. The step returns the
 attention output (B, 1, H, d_v), before W_o, and must equal reference_step, the plain equation,
 which the tests check at every step of a decode. A subclass inherits its parent's step (looked up
-along the MRO) unless it registers its own, or None: the plain cached path.
+along the MRO) unless it registers its own, or None: the plain cached path. In a CLA group, a
+later layer's queries run the step of the group's first layer, which wrote the entries.
 
 GPT.stream runs the plain path; generate(..., step=exact_step) runs every layer through its
 registered step (sample.py and bench.py by default), and step=compiled_decode the same on a
