@@ -1,5 +1,5 @@
 # make demo: the paper's six head-diversity models at CPU size on the embedded corpus, then the figures.
-# make docs: the demo's and the conversion's figures into docs/ (docs-demo, docs-deep: one demo's alone).
+# make docs: the demo's and the conversion's figures into docs/ (docs-demo, docs-deep, docs-cla: one demo's alone).
 # make test: the whole test suite.
 # make demo SEED=1: the same demo from another seed, in its own folder (out/demo-seed1).
 # make demo-deep (SEED=1 too): the same six runs at the paper's 12 layers, into out/demo-deep(-seed1).
@@ -39,7 +39,7 @@ FLAGS_mqa := --attn=mqa
 FLAGS_mla := --attn=mla
 FLAGS_gqa := --attn=gqa
 
-.PHONY: demo demo-deep demo-steps demo-rivals demo-cla docs docs-demo docs-deep test gpu-demo convert convert-seed
+.PHONY: demo demo-deep demo-steps demo-rivals demo-cla docs docs-demo docs-deep docs-cla test gpu-demo convert convert-seed
 .DELETE_ON_ERROR:
 
 $(VENV)/installed: requirements.txt requirements-fineweb.txt requirements-dev.txt
@@ -170,7 +170,12 @@ gpu-demo: $(GPU_CKPTS:ckpt.pt=trained)
 	$(PY) analyze.py $(GPU_CKPTS) --out_dir=$(GPU_DEMO)
 
 # the README's figures: the demo's, seed 0 (docs-demo alone), and the conversion's, both seeds;
-# docs-deep: demo-deep's, seed 0, as docs/deep_*.png (docs/results.md)
+# docs-cla: demo-cla
+	mkdir -p docs
+	cp $(DEMO_CLA)/kv_tradeoff.png docs/cla_kv_tradeoff.png
+	cp $(DEMO_CLA)/effective_rank.png docs/cla_effective_rank.png
+
+docs-deep: demo-deep's, seed 0, as docs/deep_*.png (docs/results.md)
 docs-demo: demo
 	mkdir -p docs
 	cp $(DEMO)/effective_rank.png $(DEMO)/head_correlation.png $(DEMO)/loss_curves.png $(DEMO)/kv_tradeoff.png \
