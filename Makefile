@@ -1,9 +1,10 @@
 # make demo: the paper's six head-diversity models at CPU size on the embedded corpus, then the figures.
-# make docs: the demo's and the conversion's figures into docs/ (docs-demo, docs-deep: one demo's alone).
+# make docs: the demo's and the conversion's figures into docs/ (docs-demo, docs-deep, docs-cla: one demo's alone).
 # make test: the whole test suite.
 # make demo SEED=1: the same demo from another seed, in its own folder (out/demo-seed1).
 # make demo-deep (SEED=1 too): the same six runs at the paper's 12 layers, into out/demo-deep(-seed1).
 # make demo-rivals (SEED=1 too): GTA, GLA, TPA and MLRA (lib/rivals.py) beside make demo's MHA, LRKV r=8, MLA.
+# make demo-cla (SEED=1 too): MQA and LRKV r=8 with cross-layer attention (--cla=2) beside make demo's.
 # make convert (after make demo): the demo's MHA models converted to smaller caches and uptrained.
 # make demo TORCH=cpu (or cuda): the first make's venv with that build of PyTorch. By default
 # (TORCH=auto) the CUDA build where `nvidia-smi -L` lists a GPU, else the CPU one, and PyPI's
@@ -38,7 +39,7 @@ FLAGS_mqa := --attn=mqa
 FLAGS_mla := --attn=mla
 FLAGS_gqa := --attn=gqa
 
-.PHONY: demo demo-deep demo-steps demo-rivals docs docs-demo docs-deep test gpu-demo convert convert-seed
+.PHONY: demo demo-deep demo-steps demo-rivals demo-cla docs docs-demo docs-deep docs-cla test gpu-demo convert convert-seed
 .DELETE_ON_ERROR:
 
 $(VENV)/installed: requirements.txt requirements-fineweb.txt requirements-dev.txt requirements-eval.txt
@@ -144,6 +145,22 @@ demo-rivals: $(DEMO_DATA)
 			--prompt="def " --temperature=0 --max_new_tokens=80 --device=cpu || exit 1; done && \
 		echo "figures and analysis.json in $(DEMO_RIVALS)/; make demo-rivals took $$(( $$(date +%s) - start )) s"
 
+# make demo-cla (SEED=1 too): cross-layer attention (--cla=2, Brandon et al. 2024) with MQA, the CLA
+# paper's best, and with LRKV r = 8, which no one has measured, beside make demo's MQA and LRKV r = 8
+# (trained here where make demo has not finished them), the four analysed together into DEMO_CLA
+CLA_RUNS := mqa mqa-cla2 lrkv-r8 lrkv-r8-cla2
+CLA_CKPTS = $(foreach run,$(CLA_RUNS),$(DEMO)/$(run)/ckpt.pt)
+DEMO_CLA = out/demo-cla$(seed_suffix)
+FLAGS_mqa-cla2 := --attn=mqa --cla=2
+FLAGS_lrkv-r8-cla2 := $(FLAGS_lrkv-r8) --cla=2
+
+demo-cla: $(DEMO_DATA)
+	@start=$$(date +%s); $(MAKE) --no-print-directory -j$(JOBS) $(CLA_CKPTS:ckpt.pt=trained) && \
+		$(PY) analyze.py $(CLA_CKPTS) --out_dir=$(DEMO_CLA) && \
+		for run in mqa-cla2 lrkv-r8-cla2; do echo; echo "$$run, greedy:"; $(PY) sample.py $(DEMO)/$$run/ckpt.pt \
+			--prompt="def " --temperature=0 --max_new_tokens=80 --device=cpu || exit 1; done && \
+		echo "figures and analysis.json in $(DEMO_CLA)/; make demo-cla took $$(( $$(date +%s) - start )) s"
+
 # make gpu-demo: the same six runs at the paper's 128M shape on one GPU, ~10 min each on an H200
 # (config/gpu.py), the ranks at the paper's head dim of 128
 GPU_DEMO := out/gpu$(seed_suffix)
@@ -164,7 +181,7 @@ gpu-demo: $(GPU_CKPTS:ckpt.pt=trained)
 	$(PY) analyze.py $(GPU_CKPTS) --out_dir=$(GPU_DEMO)
 
 # the README's figures: the demo's, seed 0 (docs-demo alone), and the conversion's, both seeds;
-# docs-deep: demo-deep's, seed 0, as docs/deep_*.png (docs/results.md)
+# docs-deep: demo-deep's, seed 0, as docs/deep_*.png (docs/results.md); docs-cla: demo-cla's, seed 0
 docs-demo: demo
 	mkdir -p docs
 	cp $(DEMO)/effective_rank.png $(DEMO)/head_correlation.png $(DEMO)/loss_curves.png $(DEMO)/kv_tradeoff.png \
@@ -179,3 +196,8 @@ docs: docs-demo convert
 	cp out/convert/rank_energy.png docs/rank_energy.png
 	cp out/convert/kv_tradeoff.png docs/convert_tradeoff.png
 	cp out/convert-seed1/kv_tradeoff.png docs/convert_tradeoff-seed1.png
+
+docs-cla: demo-cla
+	mkdir -p docs
+	cp $(DEMO_CLA)/kv_tradeoff.png docs/cla_kv_tradeoff.png
+	cp $(DEMO_CLA)/effective_rank.png docs/cla_effective_rank.png

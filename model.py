@@ -1,7 +1,8 @@
 """
 One GPT, five ways to attend: MHA, GQA, MQA, MLA and LRKV (Low-Rank Key-Value attention), on the
 paper's 128M backbone (nanochat's): RoPE, parameter-free RMSNorm before every sublayer and on
-queries and keys, a ReLU^2 MLP, untied embeddings, no biases. Only keys and values differ.
+queries and keys, a ReLU^2 MLP, untied embeddings, no biases. The variants differ in their keys
+and values (and MLA in its query heads' width); README's notation names the symbols.
 
 Read top-down: the config; norm and RoPE; Attention, what every variant shares; the five variants,
 each a class whose docstring is its math and whose keys_values is what training computes; GPT; and
@@ -103,10 +104,16 @@ def apply_rope(x, rope):
 class Attention(nn.Module):
     """What every variant shares: H query heads q_h = Rot(norm(x W_h^Q)), causal softmax attention
     over the variant's keys and values, and the output projection W_o. A variant defines
-    keys_values(x, rope), the keys and values of the tokens x, and for decoding cache_shapes();
-    cache_entries and cached_keys_values have defaults (README: Adding a variant). Every parameter
-    is a matrix (Muon's). In a group of config.cla layers (CLA) the later ones keep only their
-    queries and W_o and attend with the first layer's keys and values, kv_layer's."""
+    keys_values(x, rope), the keys and values of the tokens x: G key/value heads, G = H where every
+    head has its own (MHA, LRKV, MLA); and for decoding cache_shapes(), with cache_entries and
+    cached_keys_values where it caches something else than its keys and values (README: Adding a
+    variant). Every parameter is a matrix (Muon's).
+
+    Cross-layer attention (CLA): in a group of config.cla layers the later ones keep only their
+    queries and W_o and attend with the first layer's keys and values. In training the first layer
+    hands them up (forward returns them; Block and GPT.forward pass them on as kv); in decoding the
+    cache holds them, and KVCache.attend reads the first layer's entries (kv_layer's) through the
+    attention that wrote them, whose weights rebuild the keys and values."""
 
     query_weights = ("W_q",)  # what makes the queries: a layer that shares keys keeps them (TPA's own)
 
@@ -144,17 +151,6 @@ class Attention(nn.Module):
                                            enable_gqa=gqa)
         return y.transpose(1, 2)  # (B, T, H, d_v)
 
-    @property
-    def owns_kv(self):
-        """False in the later layers of a CLA group, which hold no key or value weights."""
-        return self.kv_layer == self.layer
-
-    def drop_keys_values(self):
-        """Keep the queries' weights and W_o alone: this layer attends with kv_layer's keys and values."""
-        for name, _ in [*self.named_children(), *self.named_parameters(recurse=False)]:
-            if name not in (*self.query_weights, "W_o"):
-                delattr(self, name)
-
     @classmethod
     def check(cls, config: "GPTConfig") -> None:
         """Reject (config.reject) a knob of the variant's own that it cannot be built with."""
@@ -166,6 +162,19 @@ class Attention(nn.Module):
     def attention_macs(self, seq_len: int) -> int:
         """Multiply-adds per token, forward, of q k^T and a v over seq_len keys, all heads."""
         return self.n_head * (self.qk_dim + self.head_dim) * seq_len
+
+    # Cross-layer attention (CLA): a layer that reads another's keys and values
+
+    @property
+    def owns_kv(self):
+        """False in the later layers of a CLA group, which hold no key or value weights."""
+        return self.kv_layer == self.layer
+
+    def drop_keys_values(self):
+        """Keep the queries' weights and W_o alone: this layer attends with kv_layer's keys and values."""
+        for name, _ in [*self.named_children(), *self.named_parameters(recurse=False)]:
+            if name not in (*self.query_weights, "W_o"):
+                delattr(self, name)
 
     # Decoding: what a token leaves in the cache, and every position's keys and values from it
 
@@ -266,9 +275,10 @@ class LowRankKVAttention(Attention):
 
         K_h = X W_shared^K + (X U_h^K)(B_h^K)^T = K_shared + R_h^K (B_h^K)^T
 
-    and V_h likewise; training builds every K_h and V_h and attends as MHA does. 1 <= r <= d_h:
-    r = d_h gives every head MHA's capacity, and with no residual (U_h = 0) it is MQA. Weights are
-    nn.Linear's transposes: U_k.weight the (U_h^K)^T stacked, B_k the B_h^K stacked."""
+    and V_h likewise. Training builds every K_h and V_h and attends as MHA does, each key
+    normalised and rotated as every key here is, k_h = Rot(norm(K_h)). 1 <= r <= d_h: r = d_h gives
+    every head MHA's capacity, and with no residual (U_h = 0) it is MQA. Weights are nn.Linear's
+    transposes: U_k.weight the (U_h^K)^T stacked, B_k the B_h^K stacked."""
 
     def __init__(self, config, layer):
         super().__init__(config, layer)
@@ -294,8 +304,6 @@ class LowRankKVAttention(Attention):
             nn.init.normal_(factor, std=0.1 / math.sqrt(self.lrkv_rank))
 
     def keys_values(self, x, rope):
-        # x's gradient sums its projections' in the reverse of the order they are called in (the
-        # queries first): a seed's run depends on this order
         k_shared, v_shared = self.W_shared_k(x), self.W_shared_v(x)  # (B, T, d_h): X W_shared
         r_k, r_v = self.residual_factor(self.U_k, x), self.residual_factor(self.U_v, x)  # (B, T, H, r): X U_h
         k = k_shared.unsqueeze(2) + self.residual(r_k, self.B_k)  # (B, T, H, d_h): K_h
@@ -320,7 +328,8 @@ class LowRankKVAttention(Attention):
         return tuple(W.weight + torch.einsum("hdr,hrc->hdc", B.view(H, d_h, r), U.weight.view(H, r, -1))
                      for W, U, B in halves)
 
-    # Decoding. The cache holds the rotated K_shared, V_shared and every R_h^K, R_h^V: the paper's
+    # Decoding. The cache holds K_shared (rotated: Rot_s K_shared is the same for every head),
+    # V_shared and every R_h^K, R_h^V (unrotated: RoPE turns d_h dims, R_h^K has r): the paper's
     # 2 d_h + 2 H r numbers per token; and each head's key RMS rho_h (+0.7% at 128M), since
     # Rot_s(norm(K_h)) = (Rot_s K_shared + Rot_s(R_h^K (B_h^K)^T)) / rho_h: so decode.py's step
     # (eq. 6, 7) builds no cached key or value.
@@ -330,11 +339,11 @@ class LowRankKVAttention(Attention):
         return {"k_shared": (d_h,), "r_k": (H, r), "rho": (H,), "v_shared": (d_h,), "r_v": (H, r)}
 
     def cache_entries(self, x, rope):
-        k_shared, r_k, k = self.head_keys(x)  # rho: the RMS of K_h that the QK norm divides by
+        k_shared, r_k, k = self.key_parts(x)  # rho: the RMS of K_h that the QK norm divides by
         return {"k_shared": apply_rope(k_shared.unsqueeze(2), rope).squeeze(2), "r_k": r_k, "rho": rms(k),
                 "v_shared": self.W_shared_v(x), "r_v": self.residual_factor(self.U_v, x)}
 
-    def head_keys(self, x):
+    def key_parts(self, x):
         """K_shared (B, T, d_h), R^K (B, T, H, r) and every head's K_h (B, T, H, d_h), before the QK norm."""
         k_shared, r_k = self.W_shared_k(x), self.residual_factor(self.U_k, x)
         return k_shared, r_k, k_shared.unsqueeze(2) + self.residual(r_k, self.B_k)
@@ -354,9 +363,10 @@ class MultiHeadLatentAttention(Attention):
     c = norm(x W_down) of width d_c; one decoupled RoPE key k_R = x W_kr of width d_R, shared by all
     heads, carries position:
 
-        k_h = [c W_up,h^K | Rot(k_R)]        v_h = c W_up,h^V
+        k_h = norm([c W_up,h^K | Rot(k_R)])        v_h = c W_up,h^V
 
-    so that q/k heads are d_h + d_R wide, RoPE turning their last d_R dims."""
+    so that q/k heads are d_h + d_R wide, RoPE turning their last d_R dims; the QK norm takes the
+    whole concatenation, so a key's RMS is per head though k_R is shared."""
 
     def __init__(self, config, layer):
         super().__init__(config, layer, qk_dim=config.head_dim + config.rope_head_dim,
@@ -461,8 +471,9 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self):
-        """nanochat's init: unit-variance embeddings, a near-zero unembedding, every matrix 1/sqrt(fan_in)
-        uniform, zero output projections; each attention layer's draws last (a seed's init: the order)."""
+        """nanochat's init: unit-variance embeddings, a near-zero unembedding, every matrix uniform of
+        variance 1/fan_in, zero output projections. The random draws happen in this order, each
+        attention layer's own last, so that a seed gives the same weights every time."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 bound = math.sqrt(3 / module.in_features)  # variance 1 / fan_in
@@ -531,15 +542,17 @@ class GPT(nn.Module):
     @torch.no_grad()
     def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, step=None,
                vocab_size=None):
-        """Yield the max_new_tokens tokens (B, 1) that continue idx (B, T) as drawn (temperature 0: greedy),
-        from the last block_size tokens, from their recent half when they would outgrow them. Cached,
-        each token after the prompt is fed by step(model, token, cache) -> (logits, cache), which may
-        hand back another cache over the same buffers (lib/decode.py's); default: last_logits, the
-        plain cached path. vocab_size: draw only ids below it."""
+        """Yield the max_new_tokens tokens (B, 1) that continue idx (B, T), as they are drawn
+        (temperature 0: greedy). The model sees at most its last block_size tokens; when the text
+        outgrows that, it starts again from the most recent half of it, prefilled into a new cache.
+        With the cache, each token after a prefill is fed by step(model, token, cache) -> (logits,
+        cache), which may hand back another cache over the same buffers (lib/decode.py's); the
+        default is last_logits, the plain cached path. vocab_size: draw only ids below it."""
         if step is not None and not use_cache:
             raise ValueError("a step feeds the KV cache: it needs use_cache=True")
         L = self.config.block_size
-        # k kept past L: a prefill of k every L - k + 1 tokens; at half, ~1 a token, each sees half a context
+        # Keeping k tokens when the text outgrows L costs a prefill of k every L - k + 1 tokens: keeping
+        # half costs about one token's prefill a token, and every token sees at least half a context
         keep = L - L // 2
         start = max(0, idx.size(1) - L)  # where the context begins in idx
         max_len = min(L, idx.size(1) + max_new_tokens)  # the cache's: the longest the context gets
@@ -587,7 +600,9 @@ class KVCache:
         self.layers = [{name: torch.zeros(batch_size, max_len, *shape, dtype=dtype, device=device)
                         for name, shape in layer.items()} for layer in shapes]
         # per layer written, the attention that wrote it, whose weights turn its entries into keys
-        # and values, and {name: the dtype each entry was computed in}, which read gives them back in
+        # and values; and {name: the dtype each entry was computed in}: read gives the entries back
+        # in it, so that a cache of another dtype (bf16 under fp32 weights, say) rounds the entries
+        # once, as stored, and the math after it runs as without a cache
         self.writers, self.dtypes = {}, {}
 
     def buffers(self):

@@ -51,7 +51,7 @@ class TrainConfig:
     # data and output
     data_dir: str = "data/fineweb-edu-gpt2"
     out_dir: str = ""  # where ckpt.pt and log.jsonl go; "": out/<attn>
-    resume: bool = False  # continue out_dir/ckpt.pt; give the run's flags again (RESUME_FLAGS must match)
+    resume: bool = False  # continue out_dir/ckpt.pt, given the run's flags again (but JOB_FLAGS)
     overwrite: bool = False  # a fresh run into an out_dir that holds a run: start over, replacing its files
     init_from: str = ""  # a new run whose weights come from this checkpoint, attention converted to --attn
     # --init_from converts each layer's keys and values to be closest on the attention inputs that

@@ -2,7 +2,7 @@
 What a run leaves in its out_dir, each format built and read side by side: ckpt.pt
 (checkpoint_dict and save_checkpoint write it; load_checkpoint and restore read it) and log.jsonl
 (log writes it; read_log and start_log read it), and what a checkpoint must match to be resumed
-(RESUME_FLAGS). sample.py and analyze.py read both.
+(every flag but JOB_FLAGS). sample.py and analyze.py read both.
 
 A run holds its out_dir for its whole life (claim_out_dir): one run a folder, and a fresh run
 never replaces another's files unasked. Every write fails whole: a checkpoint is written to a
@@ -379,25 +379,28 @@ def start_log(out_dir, resume_step):
         raise write_error(path, e) from None
 
 
-# The flags that decide what a run computes besides the model's: a resumed run must be given the
-# ones it was trained with, or it would go on as another run than the one it continues (and the
-# checkpoints it writes would describe that one). Data, device, dtype, compilation, micro-batching,
-# the evaluation and log cadence and stop_after may change from one job of a run to the next.
-RESUME_FLAGS = ("batch_size", "max_steps", "warmup_steps", "optimizer", "muon_lr", "adamw_lr", "embedding_lr",
-                "unembedding_lr", "weight_decay", "grad_clip", "eval_tokens", "seed", "init_from", "distill")
+# The flags that may change from one job of a run to the next: where it reads and writes, how long
+# this job runs, the device, precision, compilation and parallelism, micro-batching, the evaluation
+# and log cadence, and what only a first job reads (calibration_tokens). Every other flag decides
+# what the run computes: a resumed run must be given the ones it was trained with (a flag added to
+# TrainConfig is checked so by default), or it would go on as another run than the one it
+# continues, and the checkpoints it writes would describe that one.
+JOB_FLAGS = ("data_dir", "out_dir", "resume", "overwrite", "stop_after", "device", "dtype", "ns_dtype",
+             "compile", "fsdp", "checkpoint_activations", "micro_batch_size", "eval_interval", "log_interval",
+             "calibration_tokens")
 
 
 def load_resume_checkpoint(cfg, model_config):
     """load_checkpoint(out_dir/ckpt.pt), checked to hold the model the flags describe, trained with
-    the flags in RESUME_FLAGS."""
+    the flags given, but JOB_FLAGS."""
     path = Path(cfg.out_dir) / "ckpt.pt"
     if not path.exists():
         raise ConfigError(f"--resume: there is no {path} to resume from")
     ckpt, model = load_checkpoint(path, needs=RESUMED)
     # a checkpoint from before a flag existed ran with its default
-    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
-    saved = {**ckpt["model_args"], **{k: ckpt["config"].get(k, defaults[k]) for k in RESUME_FLAGS}}
-    wanted = {**dataclasses.asdict(model_config), **{k: getattr(cfg, k) for k in RESUME_FLAGS}}
+    run_flags = [f for f in dataclasses.fields(cfg) if f.name not in JOB_FLAGS]
+    saved = {**ckpt["model_args"], **{f.name: ckpt["config"].get(f.name, f.default) for f in run_flags}}
+    wanted = {**dataclasses.asdict(model_config), **{f.name: getattr(cfg, f.name) for f in run_flags}}
     changed = ", ".join(f"{k}={saved[k]!r} (flags: {wanted.get(k)!r})" for k in saved
                         if saved[k] != wanted.get(k))
     if changed:

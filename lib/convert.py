@@ -126,8 +126,10 @@ def convert(model, source, covariances=None):
     carry over, and a layer that shares its group's keys has none of its own to convert to or from."""
     for field in ("n_embd", "n_head", "head_dim", "n_layer", "vocab_size", "cla"):
         if getattr(model.config, field) != getattr(source.config, field):
+            why = ("a layer that shares its CLA group's keys and values has none of its own to convert"
+                   if field == "cla" else "only the attention's keys and values convert")
             raise ValueError(f"the checkpoint has {field} = {getattr(source.config, field)}, this model "
-                             f"{getattr(model.config, field)}: only the attention's keys and values convert")
+                             f"{getattr(model.config, field)}: {why}")
     ours, theirs = model.state_dict(), source.state_dict()
     if model.config.attn == source.config.attn and all(ours[k].shape == theirs[k].shape for k in ours):
         model.load_state_dict(theirs)

@@ -15,7 +15,8 @@ every position's cache entries, the new token's included; rope (S, rope_dim) the
 mask None (all S visible) or (1, S) bool, the positions the token may see. The step returns the
 attention output (B, 1, H, d_v), before W_o, and must equal reference_step, the plain equation,
 which the tests check at every step of a decode. A subclass inherits its parent's step (looked up
-along the MRO) unless it registers its own, or None: the plain cached path.
+along the MRO) unless it registers its own, or None: the plain cached path. In a CLA group, a
+later layer's queries run the step of the group's first layer, which wrote the entries.
 
 GPT.stream runs the plain path; generate(..., step=exact_step) runs every layer through its
 registered step (sample.py and bench.py by default), and step=compiled_decode the same on a
@@ -104,8 +105,13 @@ def key_scores(attn, q, k_shared, r_k, rho, rope):
     This is the paper's eq. 6, q_h K_h^T = q_h K_shared^T + (q_h B_h^K)(R_h^K)^T, made exact:
     RoPE does not commute with B_h (a rotation of d_h dims cannot pass into r dims), so the
     rotation goes into the query side, position by position. The first term is MQA's, over
-    the cached rotated K_shared. In the second, RoPE turns dims i and i' = i + d_h/2 by
-    s theta_i, so with B_h[i] the i-th row of B_h
+    the cached rotated K_shared. In the second, RoPE (model.apply_rope) turns dims i and
+    i' = i + d_h/2 by s theta_i, and its transpose turns the query back:
+
+        (Rot_s^T q)_i = q_i cos(s theta_i) - q_i' sin(s theta_i)
+        (Rot_s^T q)_i' = q_i sin(s theta_i) + q_i' cos(s theta_i)
+
+    so with B_h[i] the i-th row of B_h
 
         B_h^T Rot_s^T q_h = sum_i cos(s theta_i) (q_i B_h[i] + q_i' B_h[i'])
                                 + sin(s theta_i) (q_i B_h[i'] - q_i' B_h[i])
@@ -114,15 +120,15 @@ def key_scores(attn, q, k_shared, r_k, rho, rope):
     matrix built from q and B^K, one per sequence: a GEMM, the rebuild's S H r d_h
     multiply-adds without its (S, H, d_h) tensors and their norm and rotation. No exact form
     does less with this cache: each score needs a d_h-wide rotated residual key of which the
-    cache holds r numbers. The GEMM runs over chunks of positions (_residual_key_scores), so
-    that its (S, H, r) result per sequence, as large as r_k itself, never leaves the caches."""
+    cache holds r numbers. The GEMM runs over chunks of positions (_residual_key_scores)."""
     H, d_h, r, half = attn.n_head, attn.head_dim, attn.lrkv_rank, attn.head_dim // 2
     q = q[:, 0] / math.sqrt(d_h)  # (N, H, d_h), the softmax's scale taken in
     N = q.size(0)  # the batch size: B is B_h here
-    # dims i and i' = i + d_h/2 of q_h, and rows i and i' of B_h
+    # q_i and q_i' (i < d_h/2) as q1, q2; the rows B_h[i] and B_h[i'] as Bk1, Bk2
     q1, q2 = q.view(N, H, 2, half).permute(2, 3, 0, 1).unsqueeze(-1)  # (d_h/2, N, H, 1)
     Bk1, Bk2 = attn.B_k.view(H, 2, half, r).permute(1, 2, 0, 3).unsqueeze(2)  # (d_h/2, 1, H, r)
-    M = torch.stack((q1 * Bk1 + q2 * Bk2, q1 * Bk2 - q2 * Bk1))  # (2, d_h/2, N, H, r): cos, sin terms
+    # the cos coefficients, then the sin ones, in rope's row order [cos | sin]
+    M = torch.stack((q1 * Bk1 + q2 * Bk2, q1 * Bk2 - q2 * Bk1))  # (2, d_h/2, N, H, r)
     M = M.view(d_h, N, H * r).transpose(0, 1)  # (N, d_h, H r): rope[s] @ M[n] is every B_h^T Rot_s^T q_h
     residual_term = _residual_key_scores(rope.to(q.dtype), M, r_k)  # (N, S, H)
     return torch.baddbmm(residual_term.transpose(1, 2), q, k_shared.transpose(1, 2)) / rho.transpose(1, 2)
@@ -130,13 +136,10 @@ def key_scores(attn, q, k_shared, r_k, rho, rope):
 
 def _residual_key_scores(rope, M, r_k):
     """(B_h^T Rot_s^T q_h) . r_{h,s} for every sequence n, position s and head h: (N, S, H),
-    from the RoPE rows rope (S, d_h), M (N, d_h, H r) and r_k (N, S, H, r). All at once, the
-    product rope @ M[n] would be an (N, S, H, r) tensor written to memory and read back, as
-    large as r_k (145 MB at N = 16, S = 8,192, 128M, fp32): on a CPU that traffic, not the
-    GEMM, took most of the time. Per chunk of positions it holds 4 MB on a CPU, which stays in
-    the caches (the L3 here holds 32 MB) between the GEMM and the dot product with r_k, and r_k
-    is read once, in its own layout. A GPU gets 32 MB chunks, a few per step, each a few kernel
-    launches (an H200's L2 holds 50 MB)."""
+    from the RoPE rows rope (S, d_h), M (N, d_h, H r) and r_k (N, S, H, r), a chunk of positions
+    at a time. All at once, rope @ M[n] would be an (N, S, H, r) tensor as large as r_k, written
+    to memory and read back; a chunk's stays in the processor's cache between the GEMM and the
+    dot product with r_k (docs/decoding.md: the roofline and the chunk sizes)."""
     N, S, H, r = r_k.shape
     chunk_bytes = 2**25 if r_k.is_cuda else 2**22
     chunk = max(1, chunk_bytes // (N * H * r * r_k.element_size()))
@@ -154,11 +157,11 @@ def attend_values_reference(attn, a, v_shared, r_v):
 def attend_values(attn, a, v_shared, r_v):
     """One new token's output (B, 1, H, d_h) from its attention a (B, H, S) over the cached
     values, by eq. 7: a_h V_h = a_h V_shared + (a_h R_h^V) (B_h^V)^T, as two products so that
-    V_shared is never copied per head, B_h^V applied once, to the result. The a_h R_h^V are
-    one GEMM with r_v in its own layout, (H, S) by (S, H r) per sequence, of which head h keeps
-    its own r columns: a per-head gather of r_v (einsum's) would copy all of it, 145 MB at
-    B = 16, S = 8,192, 128M, fp32, where the GEMM's H-fold work is one pass over r_v at a
-    GEMM's speed."""
+    V_shared is never copied per head, B_h^V applied once, to the result. The a_h R_h^V, plainly
+    einsum("bhs,bshr->bhr", a, r_v), are one GEMM instead: every head's a_h times every head's
+    R^V, (H, S) by (S, H r) per sequence, of which head h keeps its own r columns (the diagonal).
+    The GEMM does H times the work but reads r_v once, in its own layout, where the einsum would
+    first copy all of r_v per head (docs/decoding.md measures both)."""
     B, H, _ = a.shape
     y_shared = (a @ v_shared).unsqueeze(1)  # (B, 1, H, d_h)
     y_all = (a @ r_v.flatten(2)).view(B, H, H, attn.lrkv_rank)  # every head by every head's R_h^V

@@ -129,7 +129,7 @@ def grouped_head_keys(layer, x, c):
 
 
 def lrkv_head_keys(layer, x, c):
-    return layer.head_keys(x[None])[2][0]
+    return layer.key_parts(x[None])[2][0]
 
 
 def mla_head_keys(layer, x, c):  # the latent norm taken as identity

@@ -82,7 +82,7 @@ class LowRankKeyAttention(LowRankKVAttention):
         del self.U_v, self.B_v  # LRKV's value residual, which LRK does without
 
     def keys_values(self, x, rope):
-        k = self.head_keys(x)[2]  # (B, T, H, d_h): K_h
+        k = self.key_parts(x)[2]  # (B, T, H, d_h): K_h
         return apply_rope(norm(k), rope), self.values(self.W_shared_v(x))
 
     def values(self, v_shared):
@@ -93,7 +93,7 @@ class LowRankKeyAttention(LowRankKVAttention):
                 "v_shared": (self.head_dim,)}
 
     def cache_entries(self, x, rope):
-        k_shared, r_k, k = self.head_keys(x)
+        k_shared, r_k, k = self.key_parts(x)
         return {"k_shared": apply_rope(k_shared.unsqueeze(2), rope).squeeze(2), "r_k": r_k, "rho": rms(k),
                 "v_shared": self.W_shared_v(x)}
 
