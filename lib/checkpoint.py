@@ -381,13 +381,14 @@ def start_log(out_dir, resume_step):
 
 # The flags that may change from one job of a run to the next: where it reads and writes, how long
 # this job runs, the device, precision, compilation and parallelism, micro-batching, the evaluation
-# and log cadence, and what only a first job reads (calibration_tokens). Every other flag decides
+# and log cadence and the downstream tasks each evaluation scores (eval_tasks), and what only a
+# first job reads (calibration_tokens). Every other flag decides
 # what the run computes: a resumed run must be given the ones it was trained with (a flag added to
 # TrainConfig is checked so by default), or it would go on as another run than the one it
 # continues, and the checkpoints it writes would describe that one.
 JOB_FLAGS = ("data_dir", "out_dir", "resume", "overwrite", "stop_after", "device", "dtype", "ns_dtype",
              "compile", "fsdp", "checkpoint_activations", "micro_batch_size", "eval_interval", "log_interval",
-             "calibration_tokens")
+             "calibration_tokens", "eval_tasks", "eval_tasks_limit")
 
 
 def load_resume_checkpoint(cfg, model_config):

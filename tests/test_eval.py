@@ -304,7 +304,7 @@ def trained(data_dir, tmp_path_factory):
 
 def logged_tasks(out_dir):
     lines = (json.loads(line) for line in (Path(out_dir) / "log.jsonl").read_text().splitlines())
-    return {r["step"]: r["tasks"] for r in lines if "val_loss" in r}
+    return {r["step"]: r.get("tasks") for r in lines if "val_loss" in r}
 
 
 def test_training_scores_the_tasks_at_every_evaluation_as_eval_py_does(trained, tmp_path, capsys):
@@ -330,6 +330,16 @@ def test_training_scores_the_tasks_at_every_evaluation_as_eval_py_does(trained, 
     assert f"{LIMIT} of 570" in capsys.readouterr().out
     assert eval_script.main([str(out), "--markdown"]) == 0
     assert f"| documents | {LIMIT} of 164 | {LIMIT} of 570 |  |" in capsys.readouterr().out
+
+
+def test_a_resumed_run_may_score_other_tasks(data_dir, tmp_path):
+    """The tasks are a job's choice, as the evaluation cadence is: a run resumed with them scores them
+    from its next evaluation on."""
+    common = dict(data_dir=data_dir, out_dir=tmp_path, max_steps=4, eval_interval=2, eval_tokens=128)
+    assert train.main(flags(**common, stop_after=2)) == 0
+    assert train.main(flags(**common, eval_tasks="humaneval", eval_tasks_limit=1) + ["--resume"]) == 0
+    tasks = logged_tasks(tmp_path)
+    assert sorted(tasks) == [2, 4] and tasks[2] is None and tasks[4]["humaneval"]["metric"] == "bpb"
 
 
 def test_analyze_draws_the_tasks_beside_the_ranks(trained, tmp_path):
