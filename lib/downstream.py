@@ -455,7 +455,8 @@ def evaluate_task(model, task, tokenized, batch_tokens=8192, progress=None, pad_
     scored a slice of documents at a time; progress (a tqdm bar, or None) moves by their requests."""
     t0 = time.perf_counter()
     scores = [0.0] * len(tokenized.tokens)
-    slice_docs = max(1, 256 // max(len(doc.requests) for doc in task.docs))
+    # about 64 requests a slice: enough windows to fill a batch, and a progress bar that moves
+    slice_docs = max(1, 64 // max(len(doc.requests) for doc in task.docs))
     r = 0
     for first in range(0, len(task.docs), slice_docs):
         n = sum(len(doc.requests) for doc in task.docs[first:first + slice_docs])
