@@ -75,7 +75,7 @@ demo demo-deep:
 # After analyze.py's table, the six runs' downstream scores (eval.py), in one process (its imports
 # cost as much as scoring a run) on every core, free once the runs are trained: HumanEval's and
 # MBPP's gold solutions by bits per byte, ARC-Easy by accuracy, each task's first DOWNSTREAM_LIMIT
-# documents (docs/results.md has the whole tasks'), 22 s here (docs/benchmarks.md).
+# documents (docs/results.md has the whole tasks'), 21 s here (docs/benchmarks.md).
 DOWNSTREAM_TASKS ?= humaneval,mbpp,arc_easy
 DOWNSTREAM_LIMIT ?= 40
 
