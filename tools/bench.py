@@ -594,8 +594,8 @@ def main(argv=None):
             for attn, decode_rows in rows.items():
                 result["variants"][attn]["decode"] = decode_rows
             save(result, args.out)
-        decoded = bench_decode({attn: ModelConfig(attn=attn, **preset["model"]) for attn in result["variants"]},
-                               preset, device, decode_dtype, args.compiled_decode, measured,
+        configs = {attn: ModelConfig(attn=attn, **preset["model"]) for attn in result["variants"]}
+        decoded = bench_decode(configs, preset, device, decode_dtype, args.compiled_decode, measured,
                                args.random_caches)
         for attn, (rows, uncached) in decoded.items():
             row = result["variants"][attn]
