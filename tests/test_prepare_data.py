@@ -291,7 +291,7 @@ def test_load_meta_names_the_command(tmp_path, monkeypatch):
 # -----------------------------------------------------------------------------
 # bad input: one line on stderr, a non-zero exit, nothing written or overwritten
 
-@pytest.mark.parametrize("args, message", [
+BAD_INPUT = [
     (["--dataset=wikipedia"], "invalid choice: 'wikipedia'"),
     (["--tokenizer=llama"], "invalid choice: 'llama'"),
     (["--dataset=text"], "--input is required"),
@@ -300,10 +300,25 @@ def test_load_meta_names_the_command(tmp_path, monkeypatch):
     (["--dataset=fineweb-edu", "--input={empty}"], "no .parquet files"),
     (["--val_fraction=1.5"], "invalid fraction value"),
     (["--max_tokens=inf"], "invalid count value"),
-])
-def test_bad_input_is_one_line(tmp_path, args, message):
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_INPUT)
+def test_bad_input_is_one_line(tmp_path, args, message, capsys):
+    """In-process, main's error: argparse's line on stderr and exit code 2, or the message that
+    sys.exit prints as one line with exit code 1."""
     (tmp_path / "empty").mkdir()
-    result = run_cli(*(a.format(empty=tmp_path / "empty") for a in args), f"--out_dir={tmp_path / 'out'}")
+    with pytest.raises(SystemExit) as stopped:
+        pd.main([*(a.format(empty=tmp_path / "empty") for a in args), f"--out_dir={tmp_path / 'out'}"])
+    code = stopped.value.code
+    line = code + "\n" if isinstance(code, str) else capsys.readouterr().err
+    assert code not in (0, None) and line.count("\n") == 1 and message in line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("args, message", [BAD_INPUT[1], BAD_INPUT[3]])
+def test_bad_input_from_the_command_line_is_one_line_on_stderr(tmp_path, args, message):
+    result = run_cli(*args, f"--out_dir={tmp_path / 'out'}")
     assert result.returncode != 0
     assert result.stderr.count("\n") == 1 and message in result.stderr
     assert not (tmp_path / "out").exists()
