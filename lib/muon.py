@@ -6,9 +6,9 @@ orthogonalised together), and split over the ranks of a DDP or FSDP run.
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from lib.hardware import precision
+from lib.parallel import is_shard
 
 
 class Muon(torch.optim.Optimizer):
@@ -70,7 +70,7 @@ class Muon(torch.optim.Optimizer):
                 # lr as a 0-d tensor: a float that the schedule moves every step would recompile the graph
                 lr = torch.tensor(group["lr"], dtype=torch.float64)
                 hyper = (lr, group["weight_decay"], group["momentum"], group["nesterov"])
-                if isinstance(params[0], DTensor):
+                if is_shard(params[0]):
                     self.sharded_step(params, bufs, n, *hyper)
                 else:
                     self.replicated_step(params, bufs, n, *hyper)

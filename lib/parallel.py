@@ -7,13 +7,11 @@ passes through every function here unchanged.
 import functools
 import gc
 import os
+import sys
 from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
@@ -72,6 +70,11 @@ def shard(model, device, world_size, dtype, compile):
     weights' dtype, so that the residual stream stays fp32 and a step computes what a DDP step
     does. Compiled, each block is compiled on its own, the hooks that gather and free weights
     outside its graph (torchtitan's order: compile, then shard)."""
+    # imported here, as sharding begins: FSDP's modules take a second to import, which a run in
+    # one process, sample.py and analyze.py need not pay
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     mesh = init_device_mesh(device.type, (world_size,))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if dtype == "bfloat16" else None,
                                   reduce_dtype=torch.float32, cast_forward_inputs=False)
@@ -90,10 +93,17 @@ def checkpoint_blocks(model):
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
 
 
+def is_shard(tensor):
+    """Whether tensor is a DTensor, an FSDP shard. There is none before torch.distributed.tensor is
+    imported (shard imports it), so nothing imports it to ask."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(tensor, dtensor.DTensor)
+
+
 def gathered(state):
     """A state_dict with each DTensor (an FSDP shard) replaced by the whole tensor, in CPU memory on
     rank 0 and None on the other ranks, one tensor at a time: every rank must call it."""
-    if isinstance(state, DTensor):
+    if is_shard(state):
         whole = state.full_tensor()
         return whole.cpu() if dist.get_rank() == 0 else None
     if isinstance(state, dict):
@@ -106,7 +116,9 @@ def gathered(state):
 def shard_like(tensor, param):
     """A whole tensor from a checkpoint cut to this rank's shard where param, whose shape it has,
     is sharded (a DTensor); as it is otherwise. Every rank holds the whole checkpoint (mapped)."""
-    if isinstance(param, DTensor) and tensor.shape == param.shape:
+    if is_shard(param) and tensor.shape == param.shape:
+        from torch.distributed.tensor import distribute_tensor
+
         return distribute_tensor(tensor.to(param.device), param.device_mesh, param.placements,
                                  src_data_rank=None)
     return tensor
