@@ -6,8 +6,9 @@ and values (and MLA in its query heads' width); README's notation names the symb
 
 Read top-down: the config; norm and RoPE; Attention, what every variant shares; the five variants,
 each a class whose docstring is its math and whose keys_values is what training computes; GPT; and
-last KVCache, the decoding memory of the whole model. A class's part under "Decoding" says what it
-caches and how its keys and values come back from the cache: skip it on a first read.
+last KVCache, the decoding memory of the whole model. A class's decoding methods (cache_shapes, and
+where it caches something else than its keys and values, cache_entries and cached_keys_values, under
+a "Decoding" comment) say what it caches and how keys and values come back: skip them on a first read.
 lib/decode.py has the exact single-token steps; lib/variants.py maps each --attn name to its class.
 """
 
@@ -77,8 +78,9 @@ def norm(x):
 
 
 def rms(x):
-    """The RMS that norm divides by, sqrt(mean(x^2) + eps), (...,) for x (..., D): in fp32 and
-    fp32's eps even for bf16 x (bf16's eps would swamp small keys), returned in x's dtype."""
+    """The RMS that norm divides by, sqrt(mean(x^2) + eps), (...,) for x (..., D), returned in x's
+    dtype. As F.rms_norm does, it computes in fp32 with fp32's eps even for bf16 x (bf16's eps would
+    swamp small keys), so a cached RMS is exactly the divisor that training's norm uses."""
     x_hi = x.to(torch.promote_types(x.dtype, torch.float32))
     return x_hi.pow(2).mean(-1).add(torch.finfo(x_hi.dtype).eps).sqrt().to(x.dtype)
 
@@ -91,9 +93,12 @@ def rope_table(dim, max_len, theta):
 
 
 def apply_rope(x, rope):
-    """Rotate the last rope.size(-1) dims of x (B, T, heads, D) by their positions' rows of rope, the
-    last T: dims i and i + half turn together, (x_i, x_{i+half}) -> (x_i cos + x_{i+half} sin,
-    x_{i+half} cos - x_i sin). The first D - rope.size(-1) dims pass unrotated."""
+    """RoPE: rotate the last rope.size(-1) dims of x (B, T, heads, D), token t by the row of rope
+    for its position (rope's last T rows). rope's rows are [cos | sin], half = rope.size(-1) / 2
+    wide each, so dims i and i + half turn together by the angle s theta_i:
+    (x_i, x_{i+half}) -> (x_i cos + x_{i+half} sin, x_{i+half} cos - x_i sin), as nanochat turns
+    them (Llama turns the other way; only the difference of two positions reaches a score). The
+    first D - rope.size(-1) dims pass unrotated."""
     cos, sin = rope[-x.size(1):, None, :].to(x.dtype).chunk(2, dim=-1)
     x_pass, x1, x2 = x.split((x.size(-1) - 2 * cos.size(-1), cos.size(-1), cos.size(-1)), dim=-1)
     return torch.cat((x_pass, x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
@@ -115,7 +120,7 @@ class Attention(nn.Module):
     cache holds them, and KVCache.attend reads the first layer's entries (kv_layer's) through the
     attention that wrote them, whose weights rebuild the keys and values."""
 
-    query_weights = ("W_q",)  # what makes the queries: a layer that shares keys keeps them (TPA's own)
+    query_weights = ("W_q",)  # what makes the queries: a layer that shares keys keeps them
 
     def __init__(self, config, layer, qk_dim=None, rope_dim=None):
         super().__init__()
@@ -257,17 +262,23 @@ class GroupedQueryAttention(Attention):
 
 class MultiHeadAttention(GroupedQueryAttention):
     """Standard MHA: every query head has a key/value head of its own (G = H)."""
-    kv_heads = staticmethod(lambda config: config.n_head)
+
+    @staticmethod
+    def kv_heads(config):
+        return config.n_head
 
 
 class MultiQueryAttention(GroupedQueryAttention):
     """MQA: one key/value head shared by all query heads (G = 1)."""
-    kv_heads = staticmethod(lambda config: 1)
+
+    @staticmethod
+    def kv_heads(config):
+        return 1
 
 
 class LowRankKVAttention(Attention):
     """LRKV: every head's key and value projections are one matrix shared by all heads plus a
-    rank-r residual of the head's own (the paper's eq. 6 and 7),
+    rank-r residual of the head's own,
 
         W_h^K = W_shared^K + U_h^K (B_h^K)^T        W_h^V = W_shared^V + U_h^V (B_h^V)^T
 
@@ -277,8 +288,9 @@ class LowRankKVAttention(Attention):
 
     and V_h likewise. Training builds every K_h and V_h and attends as MHA does, each key
     normalised and rotated as every key here is, k_h = Rot(norm(K_h)). 1 <= r <= d_h: r = d_h gives
-    every head MHA's capacity, and with no residual (U_h = 0) it is MQA. Weights are nn.Linear's
-    transposes: U_k.weight the (U_h^K)^T stacked, B_k the B_h^K stacked."""
+    every head MHA's capacity, and with no residual (U_h = 0) it is MQA. In the weights:
+    W_shared_k.weight is (W_shared^K)^T and U_k.weight the (U_h^K)^T stacked, (H r, d), as nn.Linear
+    keeps the transpose; B_k is a plain parameter, the B_h^K stacked as they are, (H d_h, r)."""
 
     def __init__(self, config, layer):
         super().__init__(config, layer)
@@ -305,16 +317,17 @@ class LowRankKVAttention(Attention):
 
     def keys_values(self, x, rope):
         k_shared, v_shared = self.W_shared_k(x), self.W_shared_v(x)  # (B, T, d_h): X W_shared
-        r_k, r_v = self.residual_factor(self.U_k, x), self.residual_factor(self.U_v, x)  # (B, T, H, r): X U_h
+        r_k, r_v = self.residual_coords(self.U_k, x), self.residual_coords(self.U_v, x)  # (B, T, H, r): X U_h
         k = k_shared.unsqueeze(2) + self.residual(r_k, self.B_k)  # (B, T, H, d_h): K_h
         return apply_rope(norm(k), rope), self.values(v_shared, r_v)
 
-    def residual_factor(self, U, x):
-        """R_h = X U_h of every head, U being U_k or U_v: (B, T, d) -> (B, T, H, r)."""
+    def residual_coords(self, U, x):
+        """R_h = X U_h of every head, U being U_k or U_v: each token's r coordinates of head h's
+        residual in the basis B_h, (B, T, d) -> (B, T, H, r)."""
         return U(x).view(*x.shape[:2], -1, self.lrkv_rank)
 
     def residual(self, R, factor):
-        """Every head's R_h B_h^T, factor being B_k or B_v: (B, S, H, r) -> (B, S, H, d_h)."""
+        """Every head's residual R_h B_h^T, factor being B_k or B_v: (B, S, H, r) -> (B, S, H, d_h)."""
         return torch.einsum("bshr,hdr->bshd", R, factor.view(self.n_head, self.head_dim, self.lrkv_rank))
 
     def values(self, v_shared, r_v):
@@ -331,8 +344,11 @@ class LowRankKVAttention(Attention):
     # Decoding. The cache holds K_shared (rotated: Rot_s K_shared is the same for every head),
     # V_shared and every R_h^K, R_h^V (unrotated: RoPE turns d_h dims, R_h^K has r): the paper's
     # 2 d_h + 2 H r numbers per token; and each head's key RMS rho_h (+0.7% at 128M), since
-    # Rot_s(norm(K_h)) = (Rot_s K_shared + Rot_s(R_h^K (B_h^K)^T)) / rho_h: so decode.py's step
-    # (eq. 6, 7) builds no cached key or value.
+    # Rot_s(norm(K_h)) = (Rot_s K_shared + Rot_s(R_h^K (B_h^K)^T)) / rho_h. The plain cached path
+    # could recompute rho_h from the K_h it rebuilds; it is cached for the step, which builds none.
+    # From these parts
+    # decode.py's step computes a new token's scores (the paper's eq. 6, made exact under RoPE) and
+    # its output a_h V_h = a_h V_shared + (a_h R_h^V)(B_h^V)^T (eq. 7), building no key or value.
 
     def cache_shapes(self):
         H, d_h, r = self.n_head, self.head_dim, self.lrkv_rank
@@ -341,15 +357,14 @@ class LowRankKVAttention(Attention):
     def cache_entries(self, x, rope):
         k_shared, r_k, k = self.key_parts(x)  # rho: the RMS of K_h that the QK norm divides by
         return {"k_shared": apply_rope(k_shared.unsqueeze(2), rope).squeeze(2), "r_k": r_k, "rho": rms(k),
-                "v_shared": self.W_shared_v(x), "r_v": self.residual_factor(self.U_v, x)}
+                "v_shared": self.W_shared_v(x), "r_v": self.residual_coords(self.U_v, x)}
 
     def key_parts(self, x):
         """K_shared (B, T, d_h), R^K (B, T, H, r) and every head's K_h (B, T, H, d_h), before the QK norm."""
-        k_shared, r_k = self.W_shared_k(x), self.residual_factor(self.U_k, x)
+        k_shared, r_k = self.W_shared_k(x), self.residual_coords(self.U_k, x)
         return k_shared, r_k, k_shared.unsqueeze(2) + self.residual(r_k, self.B_k)
 
     def cached_keys_values(self, rope, k_shared, r_k, rho, v_shared, r_v):
-        # V_h, not eq. 7's [V_shared | R_h^V], d_h + r wide, which flash attention refuses
         return self.keys(k_shared, r_k, rho, rope), self.values(v_shared, r_v)
 
     def keys(self, k_shared, r_k, rho, rope):
@@ -365,8 +380,9 @@ class MultiHeadLatentAttention(Attention):
 
         k_h = norm([c W_up,h^K | Rot(k_R)])        v_h = c W_up,h^V
 
-    so that q/k heads are d_h + d_R wide, RoPE turning their last d_R dims; the QK norm takes the
-    whole concatenation, so a key's RMS is per head though k_R is shared."""
+    so that q/k heads are d_h + d_R wide: a query head is likewise [q_h^nope | q_h^R], RoPE turning
+    its last d_R dims (rope_dim). The QK norm takes the whole concatenation, so a key's RMS is per
+    head though k_R is shared."""
 
     def __init__(self, config, layer):
         super().__init__(config, layer, qk_dim=config.head_dim + config.rope_head_dim,
@@ -589,20 +605,21 @@ class GPT(nn.Module):
 class KVCache:
     """Decoding's memory, one for the whole model: for each layer that owns keys and values, a buffer
     (B, max_len, *shape) per entry of its cache_shapes, and one position pos, to which every layer
-    is filled. A forward through the cache writes its T tokens' entries at positions pos to pos + T,
-    layer by layer (write), each layer attending over the keys and values of its own entries or, in a
-    CLA group's later layers, of the group's first layer's (attend, through read), and then moves pos
-    on (advance). rope: the RoPE rows of positions 0 to max_len."""
+    is filled. A forward through the cache writes its T tokens' entries at positions pos, ...,
+    pos + T - 1, layer by layer (write), each layer attending over the keys and values of its own
+    entries or, in a CLA group's later layers, of the group's first layer's (attend, through read),
+    and then moves pos on (advance). rope: the RoPE rows of positions 0, ..., max_len - 1."""
 
     def __init__(self, shapes, batch_size, max_len, dtype, device, rope):
         self.pos, self.max_len, self.rope = 0, max_len, rope
         # per layer {name: (B, max_len, *shape)}; none for a layer that reads another's
         self.layers = [{name: torch.zeros(batch_size, max_len, *shape, dtype=dtype, device=device)
                         for name, shape in layer.items()} for layer in shapes]
-        # per layer written, the attention that wrote it, whose weights turn its entries into keys
-        # and values; and {name: the dtype each entry was computed in}: read gives the entries back
-        # in it, so that a cache of another dtype (bf16 under fp32 weights, say) rounds the entries
-        # once, as stored, and the math after it runs as without a cache
+        # writers[layer]: the attention that wrote the layer's entries. Its weights turn them back
+        # into keys and values (cached_keys_values), for its own queries and for a CLA group's later
+        # layers. dtypes[layer]: {name: the dtype each entry was computed in}. The buffers may hold
+        # another dtype (bf16 under fp32 weights, say); read casts the entries back, so they are
+        # rounded once, when stored, and the math after them runs as it does without a cache.
         self.writers, self.dtypes = {}, {}
 
     def buffers(self):
@@ -615,7 +632,7 @@ class KVCache:
         return self.rope[self.pos:self.pos + T]
 
     def write(self, attn, entries):
-        """Write attn's new entries {name: (B, T, *shape)} into its layer at positions pos to pos + T."""
+        """Write attn's new entries {name: (B, T, *shape)} into its layer, at positions pos to pos + T - 1."""
         for name, x in entries.items():
             self.layers[attn.layer][name][:, self.pos:self.pos + x.size(1)] = x
         self.writers[attn.layer] = attn
@@ -630,6 +647,8 @@ class KVCache:
         """The plain cached path: attn's new queries q (B, T, H, d_qk) attend over the keys and values
         of every position so far, which the attention that wrote them rebuilds from its entries
         (cached_keys_values): attn's own, or in CLA its group's first layer's (kv_layer)."""
+        # source: the attention that wrote the entries, attn itself or, in CLA, the group's first
+        # layer, of the same class (every layer is one variant): its attend is attn's
         T, source = q.size(1), self.writers[attn.kv_layer]
         keys_values = source.cached_keys_values(self.rope[:self.pos + T], **self.read(attn.kv_layer, T))
         return source.attend(q, *keys_values)

@@ -1,6 +1,7 @@
 """
-Decoding fast: each variant's optimised single-token step, beside the plain equation it equals,
-and the step on fixed shapes, compiled.
+Decoding fast: the optimised single-token steps of the variants that cache less than their keys
+and values (here LRKV's and MLA's, the rivals' in lib/rivals.py), each beside the plain equation it
+equals, and the step on fixed shapes, compiled.
 
 model.py decodes by the plain cached path: KVCache.attend rebuilds every cached position's keys
 and values from the cache (the variant's cached_keys_values) and attends as training does. A new
@@ -15,12 +16,15 @@ every position's cache entries, the new token's included; rope (S, rope_dim) the
 mask None (all S visible) or (1, S) bool, the positions the token may see. The step returns the
 attention output (B, 1, H, d_v), before W_o, and must equal reference_step, the plain equation,
 which the tests check at every step of a decode. A subclass inherits its parent's step (looked up
-along the MRO) unless it registers its own, or None: the plain cached path. In a CLA group, a
-later layer's queries run the step of the group's first layer, which wrote the entries.
+along the MRO); registering None for it gives it the plain cached path instead. A variant with no
+step (MHA, GQA, MQA: their cache holds the keys and values themselves) decodes by the plain path.
+In a CLA group, a later layer's queries run the step of the group's first layer, which wrote the
+entries.
 
-GPT.stream runs the plain path; generate(..., step=exact_step) runs every layer through its
-registered step (sample.py and bench.py by default), and step=compiled_decode the same on a
-fixed-shape cache under torch.compile (sample.py --compile, bench.py's compiled column).
+GPT.stream runs the plain path unless given a step; generate(..., step=exact_step) runs each layer
+through its registered step, if any (sample.py and bench.py by default), and step=compiled_decode
+the same on a fixed-shape cache under torch.compile (sample.py --compile, bench.py's compiled
+column), where a variant with no step runs reference_step.
 """
 
 import functools
@@ -97,8 +101,9 @@ def key_scores_reference(attn, q, k_shared, r_k, rho, rope):
 def key_scores(attn, q, k_shared, r_k, rho, rope):
     """One new token's attention scores over all S cached positions (rope: their rows of the
     RoPE table), the softmax's input (B, H, S), exact, without building any per-head key.
+    Vectors here are columns (model.py writes rows: X U_h is R_h, one row r_{h,s} per position).
     Head h's key at s is Rot_s(K_s + B_h r_{h,s}) / rho_{h,s} (K_h, then the QK norm and RoPE;
-    B_h = B_h^K, r = R^K), so for the normalised, rotated query q_h
+    K_s the shared key, B_h = B_h^K, r = R^K), so for the normalised, rotated query q_h
 
         score_{h,s} = [ q_h . Rot_s(K_s) + (B_h^T Rot_s^T q_h) . r_{h,s} ] / rho_{h,s}
 
@@ -121,15 +126,15 @@ def key_scores(attn, q, k_shared, r_k, rho, rope):
     multiply-adds without its (S, H, d_h) tensors and their norm and rotation. No exact form
     does less with this cache: each score needs a d_h-wide rotated residual key of which the
     cache holds r numbers. The GEMM runs over chunks of positions (_residual_key_scores)."""
-    H, d_h, r, half = attn.n_head, attn.head_dim, attn.lrkv_rank, attn.head_dim // 2
+    H, d_h, r = attn.n_head, attn.head_dim, attn.lrkv_rank
     q = q[:, 0] / math.sqrt(d_h)  # (N, H, d_h), the softmax's scale taken in
     N = q.size(0)  # the batch size: B is B_h here
-    # q_i and q_i' (i < d_h/2) as q1, q2; the rows B_h[i] and B_h[i'] as Bk1, Bk2
-    q1, q2 = q.view(N, H, 2, half).permute(2, 3, 0, 1).unsqueeze(-1)  # (d_h/2, N, H, 1)
-    Bk1, Bk2 = attn.B_k.view(H, 2, half, r).permute(1, 2, 0, 3).unsqueeze(2)  # (d_h/2, 1, H, r)
-    # the cos coefficients, then the sin ones, in rope's row order [cos | sin]
-    M = torch.stack((q1 * Bk1 + q2 * Bk2, q1 * Bk2 - q2 * Bk1))  # (2, d_h/2, N, H, r)
-    M = M.view(d_h, N, H * r).transpose(0, 1)  # (N, d_h, H r): rope[s] @ M[n] is every B_h^T Rot_s^T q_h
+    q1, q2 = q.unsqueeze(-1).chunk(2, dim=2)  # (N, H, d_h/2, 1) each: q_i and q_i', i < d_h/2
+    B1, B2 = attn.B_k.view(H, d_h, r).chunk(2, dim=1)  # (H, d_h/2, r) each: rows B_h[i] and B_h[i']
+    M_cos = q1 * B1 + q2 * B2  # (N, H, d_h/2, r): the coefficients of cos(s theta_i) above
+    M_sin = q1 * B2 - q2 * B1  # (N, H, d_h/2, r): those of sin(s theta_i)
+    M = torch.cat((M_cos, M_sin), dim=2)  # (N, H, d_h, r): row j goes with column j of rope, [cos | sin]
+    M = M.permute(0, 2, 1, 3).reshape(N, d_h, H * r)  # rope[s] @ M[n] is every head's B_h^T Rot_s^T q_h
     residual_term = _residual_key_scores(rope.to(q.dtype), M, r_k)  # (N, S, H)
     return torch.baddbmm(residual_term.transpose(1, 2), q, k_shared.transpose(1, 2)) / rho.transpose(1, 2)
 
@@ -220,7 +225,9 @@ class ExactKVCache(KVCache):
     without a step, takes the plain cached path."""
 
     def __init__(self, cache):
-        vars(self).update(vars(cache))  # the same buffers, position and RoPE rows
+        # every attribute of cache: the same buffers, RoPE rows, and writers and dtypes dicts (the
+        # same objects, which the prefill filled), and a copy of its position, which moves on here
+        vars(self).update(vars(cache))
 
     def attend(self, attn, q):
         source = self.writers[attn.kv_layer]  # attn, or in CLA its group's first layer
@@ -233,13 +240,16 @@ class ExactKVCache(KVCache):
 class FixedKVCache(ExactKVCache):
     """An ExactKVCache behind shapes that no longer change, for torch.compile: pos is a (1,) tensor,
     write puts the one new token there, read gives the whole buffers, and the token attends over
-    all max_len positions through its variant's step, or reference_step, those past pos masked.
+    all max_len positions through its variant's step, or reference_step, those past pos masked
+    (their entries are zeros: LRKV's and MLA's scores there are 0 / 0, which the mask overwrites).
     The cost of a step no longer depends on its position. pos moves outside the compiled step
-    (compiled_decode), so advance does nothing."""
+    (compiled_decode, in place, so the compiled graph reads the new value), so advance does nothing;
+    write records no writer or dtype, which the prefill recorded in the dicts this cache shares."""
 
     def __init__(self, cache):
         super().__init__(cache)
         self.pos = torch.tensor([cache.pos], device=cache.rope.device)
+        self.free = cache.max_len - cache.pos  # the positions left, counted on the host: no sync to check
         for buf in self.buffers():
             torch._dynamo.mark_static_address(buf)  # a CUDA graph may keep its address
 
@@ -295,7 +305,10 @@ def compiled_decode(model, token, cache):
     step (FixedKVCache over the same buffers), then the compiled step runs and the position moves on."""
     if not isinstance(cache, FixedKVCache):
         cache = FixedKVCache(cache)
+    if cache.free == 0:  # past max_len, rope[pos] would fail inside the compiled step (on a GPU, an assert)
+        raise ValueError(f"KV cache holds {cache.max_len} tokens, {cache.max_len + 1} were asked for")
     # contiguous: a column of stream's growing idx has a new stride at every step, which recompiles
     logits = compiled_step(model, token.contiguous(), cache)
     cache.pos += 1
+    cache.free -= 1
     return logits, cache

@@ -159,6 +159,21 @@ def test_the_fixed_shape_step_is_one_graph_at_every_position(attn):
         fixed_steps(model, idx, 9, traced)  # a new cache, another starting position: the same graph
 
 
+def test_fixed_shape_decoding_past_the_cache_is_one_line(monkeypatch):
+    """The fixed-shape cache counts its free positions on the host: the step after the last one is
+    refused before it runs (eager steps here: the check is compiled_decode's, outside the graph)."""
+    monkeypatch.setattr(decode, "compiled_step", GPT.last_logits)
+    model = tiny_model("mha")
+    token = torch.randint(0, TINY.vocab_size, (1, 1))
+    cache = model.new_cache(1, 8)
+    with torch.no_grad():
+        model(token.repeat(1, 6), cache=cache)
+        for _ in range(2):
+            _, cache = compiled_decode(model, token, cache)
+        with pytest.raises(ValueError, match="^KV cache holds 8 tokens, 9 were asked for$"):
+            compiled_decode(model, token, cache)
+
+
 @pytest.mark.parametrize("attn", ["mha", "lrkv"])
 def test_compiled_generation_is_eager_generation(attn):
     """generate(step=compiled_decode), inductor's code and all, gives eager's greedy tokens, past
