@@ -40,7 +40,7 @@ from lib.convert import CALIBRATION_TOKENS, distill_loss, load_init_checkpoint
 from lib.diversity import weight_ranks
 from lib.hardware import PRECISION_NAMES, check_device, forced_precision, peak_flops, pick_device, precision
 from lib.muon import Muon
-from lib.parallel import gathered, no_sync, parallelize, process_group, world
+from lib.parallel import gathered, is_shard, no_sync, parallelize, process_group, world
 from lib.variants import ModelConfig
 from model import GPT
 from prepare_data import TOKENIZERS, TrainBatches, get_tokenizer, load_meta, read_shards, token_bytes
@@ -354,12 +354,18 @@ def progress_line(record, max_steps):
 
 
 def optimizer_step(model, optimizers, cfg):
-    """Clip the global gradient norm, step every optimizer and clear the gradients."""
+    """Clip the global gradient norm to grad_clip (0: no clip), step every optimizer and clear the
+    gradients. Returns the norm before the clip, a 0-dim tensor, the same on every rank."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if is_shard(norm):  # FSDP: each rank's norm is of its shards; their sum, once, for every rank
+        norm = norm.full_tensor()
     if cfg.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        torch.nn.utils.clip_grads_with_norm_(params, cfg.grad_clip, norm)
     for opt in optimizers:
         opt.step()
         opt.zero_grad(set_to_none=True)
+    return norm
 
 
 def backward(train_model, x, y, micro_batch, autocast, device, teacher=None, distill=0.0):

@@ -153,16 +153,37 @@ def test_a_run_shorter_than_its_warmup_is_warned_of_not_refused(data_dir, tmp_pa
 
 
 @pytest.mark.parametrize("max_steps, warmup_steps", [(100, 10), (1000, 0), (50, 5)])
-def test_the_schedule_warms_up_linearly_to_the_peak_then_decays_toward_zero(max_steps, warmup_steps):
-    """lr_multiplier's properties, whatever its shape after the warm-up: every step's multiplier in
-    (0, 1]; a linear rise of 1 / warmup_steps a step, the first step's included, to the peak, 1; then
-    never rising, down to below 2% of the peak at the last step."""
+def test_the_schedule_warms_up_linearly_to_the_peak_then_decays_to_zero(max_steps, warmup_steps):
+    """lr_multiplier's properties, whatever its shape after the warm-up (cosine, WSD, ...): every
+    step's multiplier in (0, 1]; a linear rise of 1 / warmup_steps a step, the first step's included,
+    to the peak, 1; then never rising, to 0 at max_steps, the step after the last."""
     cfg = train.TrainConfig(max_steps=max_steps, warmup_steps=warmup_steps)
-    lr = np.array([train.lr_multiplier(step, cfg) for step in range(max_steps)])
-    assert (0 < lr[:-1]).all() and (0 <= lr[-1]) and (lr <= 1).all()
+    lr = np.array([train.lr_multiplier(step, cfg) for step in range(max_steps + 1)])
+    assert (0 < lr[:-1]).all() and (lr <= 1).all()
     peak = max(warmup_steps, 1) - 1  # the step that first trains at the peak
     np.testing.assert_allclose(lr[:peak + 1], np.arange(1, peak + 2) / max(warmup_steps, 1))
-    assert lr[peak] == 1 and (np.diff(lr[peak:]) <= 0).all() and lr[-1] < 0.02
+    assert lr[peak] == 1 and (np.diff(lr[peak:]) <= 0).all() and lr[-1] == pytest.approx(0, abs=1e-12)
+
+
+@pytest.mark.parametrize("grad_clip", [0.0, 0.01, 1e6])
+def test_optimizer_step_clips_to_grad_clip_and_returns_the_norm_before(grad_clip):
+    """The returned norm is sqrt(sum of every gradient entry squared), in float64; the step
+    applies the gradients scaled by min(1, grad_clip / norm) (plain SGD of lr 1 shows them), or
+    as they are with grad_clip 0."""
+    config = ModelConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, head_dim=8, n_embd=16)
+    model = GPT(config).double()
+    idx = torch.randint(0, 256, (2, 16))
+    model(idx, idx)[1].backward()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    expected = math.sqrt(sum(g.pow(2).sum().item() for g in grads.values()))
+    sgd = torch.optim.SGD(model.parameters(), lr=1.0)
+    norm = train.optimizer_step(model, [sgd], train.TrainConfig(grad_clip=grad_clip))
+    assert norm.item() == pytest.approx(expected, rel=1e-12)
+    scale = min(1.0, grad_clip / (expected + 1e-6)) if grad_clip > 0 else 1.0  # torch's clip adds 1e-6
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(before[name] - p.detach(), grads[name] * scale, rtol=1e-9, atol=1e-14)
+        assert p.grad is None
 
 
 def test_optimizers():
