@@ -288,7 +288,7 @@ class LowRankKVAttention(Attention):
 
     and V_h likewise. Training builds every K_h and V_h and attends as MHA does, each key
     normalised and rotated as every key here is, k_h = Rot(norm(K_h)). 1 <= r <= d_h: r = d_h gives
-    every head MHA's capacity, and with no residual (U_h = 0) it is MQA. In the weights:
+    every head MHA's capacity, and with no residual (U_h B_h^T = 0) it is MQA. In the weights:
     W_shared_k.weight is (W_shared^K)^T and U_k.weight the (U_h^K)^T stacked, (H r, d), as nn.Linear
     keeps the transpose; B_k is a plain parameter, the B_h^K stacked as they are, (H d_h, r)."""
 
@@ -341,14 +341,13 @@ class LowRankKVAttention(Attention):
         return tuple(W.weight + torch.einsum("hdr,hrc->hdc", B.view(H, d_h, r), U.weight.view(H, r, -1))
                      for W, U, B in halves)
 
-    # Decoding. The cache holds K_shared (rotated: Rot_s K_shared is the same for every head),
-    # V_shared and every R_h^K, R_h^V (unrotated: RoPE turns d_h dims, R_h^K has r): the paper's
-    # 2 d_h + 2 H r numbers per token; and each head's key RMS rho_h (+0.7% at 128M), since
-    # Rot_s(norm(K_h)) = (Rot_s K_shared + Rot_s(R_h^K (B_h^K)^T)) / rho_h. The plain cached path
-    # could recompute rho_h from the K_h it rebuilds; it is cached for the step, which builds none.
-    # From these parts
-    # decode.py's step computes a new token's scores (the paper's eq. 6, made exact under RoPE) and
-    # its output a_h V_h = a_h V_shared + (a_h R_h^V)(B_h^V)^T (eq. 7), building no key or value.
+    # Decoding. The cache holds K_shared rotated (Rot_s K_shared is the same for every head), V_shared,
+    # and every R_h^K and R_h^V unrotated (RoPE turns d_h dims, R_h^K has r): the paper's 2 d_h + 2 H r
+    # numbers per token. It also holds each head's key RMS rho_h (+0.7% at 128M): the norm divides a
+    # whole key by one number, so Rot_s(norm(K_h)) = (Rot_s K_shared + Rot_s(R_h^K (B_h^K)^T)) / rho_h.
+    # The plain cached path could recompute rho_h from the K_h it rebuilds; decode.py's step builds
+    # none. From these parts it computes a new token's scores (the paper's eq. 6, made exact under
+    # RoPE) and its output a_h V_h = a_h V_shared + (a_h R_h^V)(B_h^V)^T (eq. 7).
 
     def cache_shapes(self):
         H, d_h, r = self.n_head, self.head_dim, self.lrkv_rank
