@@ -93,13 +93,13 @@ def rope_table(dim, max_len, theta):
 
 
 def apply_rope(x, rope):
-    """RoPE: rotate the last rope.size(-1) dims of x (B, T, heads, D), token t by the row of rope
-    for its position (rope's last T rows). rope's rows are [cos | sin], half = rope.size(-1) / 2
-    wide each, so dims i and i + half turn together by the angle s theta_i:
-    (x_i, x_{i+half}) -> (x_i cos + x_{i+half} sin, x_{i+half} cos - x_i sin), as nanochat turns
-    them (Llama turns the other way; only the difference of two positions reaches a score). The
-    first D - rope.size(-1) dims pass unrotated."""
-    cos, sin = rope[-x.size(1):, None, :].to(x.dtype).chunk(2, dim=-1)
+    """RoPE: rotate the last rope.size(-1) dims of x (B, T, heads, D), each token by its position's
+    row of rope (T, rope_dim), the RoPE table's rows of x's T positions. A row is [cos | sin], half =
+    rope.size(-1) / 2 wide each, so dims i and i + half turn together by the angle s theta_i:
+    (x_i, x_{i+half}) -> (x_i cos + x_{i+half} sin, x_{i+half} cos - x_i sin), a turn by -s theta_i
+    (either direction is RoPE: only the difference of two positions reaches a score). The first
+    D - rope.size(-1) dims pass unrotated."""
+    cos, sin = rope[:, None, :].to(x.dtype).chunk(2, dim=-1)  # (T, 1, half) each
     x_pass, x1, x2 = x.split((x.size(-1) - 2 * cos.size(-1), cos.size(-1), cos.size(-1)), dim=-1)
     return torch.cat((x_pass, x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
 
