@@ -9,6 +9,7 @@ n_layer = 24
 n_head = 12
 n_embd = 1536
 n_kv_head = 4
+gta_kv_heads = 4  # GTA (lib/rivals.py) with GQA's G
 kv_lora_rank = 256
 lrkv_rank = 51
 max_steps = 1_525_879  # 50B tokens / 32,768 tokens a step

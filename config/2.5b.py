@@ -7,6 +7,7 @@ n_layer = 36
 n_head = 18
 n_embd = 2304
 n_kv_head = 6
+gta_kv_heads = 6  # GTA (lib/rivals.py) with GQA's G
 kv_lora_rank = 384
 lrkv_rank = 55
 max_steps = 1_525_879  # 50B tokens / 32,768 tokens a step

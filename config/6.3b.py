@@ -8,6 +8,7 @@ n_layer = 32
 n_head = 32
 n_embd = 4096
 n_kv_head = 2
+gta_kv_heads = 2  # GTA (lib/rivals.py) with GQA's G
 kv_lora_rank = 1024
 lrkv_rank = 54
 max_steps = 1_525_879  # 50B tokens / 32,768 tokens a step

@@ -28,6 +28,7 @@ from tools import plan
 
 import sample
 import train
+from lib.variants import ATTENTION
 from model import GPT
 from test_train import REPO, data_dir, records  # noqa: F401 (data_dir is a fixture)
 
@@ -277,6 +278,15 @@ def test_presets_are_the_papers_shapes(preset):
         assert model.kv_cache_bytes(1, T, torch.bfloat16) == L * T * cache[attn] * 2, attn
     # the paper's LRKV cache %: (2 d_h + 2 H r) / (2 H d_h)
     assert round(100 * (1 / H + r / d_h), 1) == cache_pct
+
+
+@pytest.mark.parametrize("preset", PAPER)
+def test_every_variant_builds_at_every_size(preset):
+    """Each preset sets every variant's knobs to values it can be built with (a rival's default may
+    not divide the preset's heads), so that `python -m tools.plan config/6.3b.py` plans all nine."""
+    for attn in ATTENTION:
+        with torch.device("meta"):
+            GPT(train.parse_args(([preset] if preset else []) + [f"--attn={attn}"])[0])
 
 
 # ---------------------------------------------------------------------------------------------
