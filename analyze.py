@@ -140,9 +140,6 @@ def analyze(path):
         for name, shape in model.blocks[i].attn.cache_shapes().items():
             cached[name] = cached.get(name, 0) + math.prod(shape)
     validation = {key: None if ckpt.get(key) is None else float(ckpt[key]) for key in ("val_loss", "val_bpb")}
-    init_from = ckpt.get("config", {}).get("init_from") or None
-    init_from_args = source_args(init_from)
-    converted = init_from_args is not None and init_from_args != dataclasses.asdict(config)
     return config, {
         "ckpt": str(path),
         "attn": config.attn,
@@ -157,12 +154,7 @@ def analyze(path):
         "kv_cache_fraction": kv_elements / (config.n_layer * 2 * config.n_head * config.head_dim),  # of MHA's
         **validation,
         "curves": loss_curves(records, ckpt),
-        "init_from": init_from,
-        "init_from_args": init_from_args,
-        # converted by the whitened SVD (a checkpoint from before --calibration_tokens was not),
-        # uptrained with --distill: each drawn apart (line_style, plot_kv_tradeoff)
-        "whitened": converted and ckpt["config"].get("calibration_tokens", 0) > 0,
-        "distilled": ckpt.get("config", {}).get("distill", 0) > 0,
+        **provenance(ckpt, config),
         # a run from --init_from evaluates the converted model at step 0, before any update
         "start": next(({k: r[k] for k in ("val_loss", "val_bpb")} for r in records
                        if r["step"] == 0 and "val_loss" in r), None),
@@ -172,6 +164,26 @@ def analyze(path):
         "tasks_during_training": tasks_during_training(records),
         "similarity": [G.tolist() for G in similarity],
     }
+
+
+def provenance(ckpt, config):
+    """What a run's label reads of it besides its config: where it started (--init_from, and that
+    checkpoint's model_args), whether it was converted by the whitened SVD (a checkpoint from before
+    --calibration_tokens was not) and uptrained with --distill, each drawn apart (line_style,
+    plot_kv_tradeoff)."""
+    train_config = ckpt.get("config", {})
+    init_from = train_config.get("init_from") or None
+    init_from_args = source_args(init_from)
+    converted = init_from_args is not None and init_from_args != dataclasses.asdict(config)
+    return dict(init_from=init_from, init_from_args=init_from_args,
+                whitened=converted and train_config.get("calibration_tokens", 0) > 0,
+                distilled=train_config.get("distill", 0) > 0)
+
+
+def run_order(config, run):
+    """Where a run sorts among others: runs from scratch first, then converted ones, each in the
+    paper's legend order."""
+    return run["init_from"] is not None, legend_key(config)
 
 
 def source_args(path):
@@ -581,10 +593,7 @@ def main(argv=None):
         if not found:
             fail(name, "a folder with no */ckpt.pt in it")
         paths += found
-    # runs from scratch first, then converted ones, each in the paper's legend order
-    analysed = sorted((analyze(path) for path in paths),
-                      key=lambda config_run: (config_run[1]["init_from"] is not None,
-                                              legend_key(config_run[0])))
+    analysed = sorted((analyze(path) for path in paths), key=lambda config_run: run_order(*config_run))
     configs, runs = zip(*analysed)
     labels = legend_labels(configs, runs)
     runs = [{"label": label, "color": color, **run}

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from analyze import legend_key, legend_labels, source_args
+from analyze import legend_labels, provenance, run_order
 from lib import downstream
 from lib.checkpoint import check_writable, load_checkpoint
 from lib.configurator import ArgumentParser, ConfigError
@@ -35,23 +35,11 @@ from sample import decoding_dtype, load_tokenizer, positive_int
 DEFAULT_TASKS = "humaneval,mbpp,arc_easy"
 
 
-def provenance(path, ckpt, config):
-    """What analyze.py's labels read of a run besides its config: where it started (--init_from),
-    whether it was converted with whitening, uptrained with --distill."""
-    train_config = ckpt.get("config", {})
-    init_from = train_config.get("init_from") or None
-    init_from_args = source_args(init_from)
-    converted = init_from_args is not None and init_from_args != dataclasses.asdict(config)
-    return dict(ckpt=str(path), init_from=init_from, init_from_args=init_from_args,
-                whitened=converted and train_config.get("calibration_tokens", 0) > 0,
-                distilled=train_config.get("distill", 0) > 0)
-
-
 def labelled(runs):
-    """runs (each with model_args and provenance) in analyze.py's order, each with its label."""
+    """runs (each with model_args and analyze.provenance's fields) in analyze.py's order, each with
+    its label."""
     configs = [ModelConfig(**run["model_args"]) for run in runs]
-    order = sorted(range(len(runs)),
-                   key=lambda i: (runs[i]["init_from"] is not None, legend_key(configs[i])))
+    order = sorted(range(len(runs)), key=lambda i: run_order(configs[i], runs[i]))
     runs, configs = [runs[i] for i in order], [configs[i] for i in order]
     return [{**run, "label": label} for run, label in zip(runs, legend_labels(configs, runs))]
 
@@ -134,8 +122,8 @@ def score(path, tasks, device, batch_tokens):
         print(f"  {name}: {r['metric']} {r['value']:.4f} | {task.n_requests} requests in "
               f"{r['seconds']:.1f} s, {r['requests_per_s']:.1f} requests/s", flush=True)
     config = model.config
-    return dict(model_args=dataclasses.asdict(config), **provenance(path, ckpt, config), attn=config.attn,
-                dtype=str(dtype).removeprefix("torch."),
+    return dict(model_args=dataclasses.asdict(config), ckpt=str(path), **provenance(ckpt, config),
+                attn=config.attn, dtype=str(dtype).removeprefix("torch."),
                 **{key: ckpt.get(key) for key in ("val_loss", "val_bpb")}, tasks=results)
 
 

@@ -140,15 +140,11 @@ def package_dir():
     return Path(spec.submodule_search_locations[0])
 
 
-def known_tasks():
-    return ", ".join(TASKS)
-
-
 def resolve(name):
     """(folder, setting) of a --tasks name: a short name, or short-name:setting."""
     short, _, setting = name.partition(":")
     if short not in TASKS:
-        raise ConfigError(f"--tasks: unknown task {short!r}; known: {known_tasks()} (name:setting picks "
+        raise ConfigError(f"--tasks: unknown task {short!r}; known: {', '.join(TASKS)} (name:setting picks "
                           "another of the task's settings; --list shows them)")
     folder, default = TASKS[short]
     return folder, setting or default
@@ -377,21 +373,19 @@ def common_prefix(arrays):
 SHARE_MIN_TOKENS = 256
 
 
-def shares_enough(inputs):
-    """Whether windows with these inputs (one document's choices) go through score_shared: the
-    n - 1 prefixes it spares, of P >= 1 tokens each, make SHARE_MIN_TOKENS or more."""
-    P = common_prefix(inputs)
-    return P > 0 and (len(inputs) - 1) * P >= SHARE_MIN_TOKENS
+def shares_enough(n, P):
+    """Whether n windows (one document's choices) whose inputs share a prefix of P tokens go through
+    score_shared: the n - 1 prefixes it spares, of P >= 1 tokens each, make SHARE_MIN_TOKENS or more."""
+    return P > 0 and (n - 1) * P >= SHARE_MIN_TOKENS
 
 
 @torch.no_grad()
-def score_shared(model, jobs, pad_id):
+def score_shared(model, jobs, P, pad_id):
     """(len(jobs),) float64: the log-likelihood of each of jobs, windows of one document's choices at
     one start whose inputs share a prefix of P >= 1 tokens: the prefix prefilled once into a KV cache
     (batch 1), then each choice's inputs after it continued from a copy of that cache, right-padded
     (a chunk after a cached prefix is causal within itself, so the padding changes nothing before it)."""
     device = model.lm_head.weight.device
-    P = common_prefix([job.inputs for job in jobs])
     width = max(len(job.inputs) for job in jobs)
     cache = model.new_cache(1, width)
     prefix = model(torch.from_numpy(jobs[0].inputs[:P])[None].to(device), cache=cache)[0]  # (1, P, V)
@@ -414,8 +408,9 @@ def score_requests(model, tokenized, requests, batch_tokens=8192, share=True, pa
     scores = torch.zeros(len(jobs), dtype=torch.float64)
     plain = []
     for group in groups.values():
-        if share and len(group) > 1 and shares_enough([jobs[k].inputs for k in group]):
-            scores[group] = score_shared(model, [jobs[k] for k in group], pad_id).cpu()
+        P = common_prefix([jobs[k].inputs for k in group]) if share and len(group) > 1 else 0
+        if shares_enough(len(group), P):
+            scores[group] = score_shared(model, [jobs[k] for k in group], P, pad_id).cpu()
         else:
             plain += group
     if plain:
