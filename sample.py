@@ -22,18 +22,11 @@ import time
 
 import torch
 
-from lib.decode import compiled_decode, exact_step
-from prepare_data import get_tokenizer
-from lib.checkpoint import load_checkpoint
-from lib.configurator import ArgumentParser, ConfigError, seed
-from lib.hardware import DEVICES, pick_device, precision
-
-
-def positive_int(text):
-    n = int(text)  # not an integer: argparse's "invalid positive_int value"
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n}: must be at least 1")
-    return n
+from lib.attention.decode import compiled_decode, exact_step
+from lib.training.data import load_tokenizer
+from lib.training.checkpoint import load_checkpoint
+from lib.training.configurator import ArgumentParser, ConfigError, positive_int, seed
+from lib.training.hardware import DEVICES, decoding_dtype, pick_device
 
 
 def top_k(text):
@@ -45,16 +38,6 @@ def temperature(text):
     if not 0 <= t < math.inf:  # nan fails this too
         raise argparse.ArgumentTypeError(f"{text}: must be a finite number >= 0")
     return t
-
-
-def load_tokenizer(path, ckpt):
-    if "tokenizer" not in ckpt:
-        raise ConfigError(f"{path}: has no 'tokenizer' (its data's meta.json) to decode with: "
-                          "not written by this train.py")
-    try:
-        return get_tokenizer(ckpt["tokenizer"]["tokenizer"])
-    except ValueError as e:
-        raise ConfigError(f"{path}: {e}") from None
 
 
 def encode_prompt(prompt, tok):
@@ -79,14 +62,6 @@ def encode_prompt(prompt, tok):
         raise ConfigError(f"--prompt: byte {e.start} ({data[e.start]:#04x}) is not UTF-8, and the {tok.name} "
                           "tokenizer encodes text: give the prompt in UTF-8") from None
     return [tok.eot_id, *tok.encode_batch([text])[0].tolist()]
-
-
-def decoding_dtype(ckpt, device):
-    """(dtype, why): the precision policy's for decoding (hardware.precision), but float32 for a run
-    trained in float32 on purpose: its logits are then the ones training evaluated."""
-    if ckpt.get("config", {}).get("dtype") == "float32":
-        return torch.float32, "the run trained in float32 by choice"
-    return precision("decode", device)
 
 
 def size(n_bytes):
@@ -129,7 +104,7 @@ def main(argv=None):
             raise ConfigError("--compile compiles the cached single-token step: it cannot go with --no_cache")
         prompt = encode_prompt(args.prompt, tok)
         dtype, why = ((getattr(torch, args.dtype), "--dtype") if args.dtype != "auto"
-                      else decoding_dtype(ckpt, device))
+                      else decoding_dtype(ckpt.get("config", {}).get("dtype"), device))
     except ConfigError as e:
         print(f"sample.py: {e}", file=sys.stderr)
         return 2

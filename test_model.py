@@ -4,22 +4,21 @@ against the full forward pass, cross-layer sharing (CLA) with every variant, and
 of section 2."""
 
 import math
+import os
 from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from lib import diversity
-from lib.variants import ATTENTION, ModelConfig
-from model import GPT, GPTConfig, norm
-from model import rms as cached_rms
+from lib.attention import diversity
+from model import GPT, GPTConfig, VARIANTS, norm, rms as cached_rms
 from references import (MIB, REFERENCES, TINY, Reference, cropped_greedy, naive_forward, small_key_model,
                         tiny_model, token_by_token)
 
 
 @pytest.mark.parametrize("cla", [1, 2])
-@pytest.mark.parametrize("attn", ATTENTION)
+@pytest.mark.parametrize("attn", VARIANTS)
 def test_every_layer_matches_the_naive_reference(attn, cla):
     """The whole model in float64, every layer head by head from its paper's formulas; with --cla=2,
     the second layer attends with the first's keys and values. To the fp32 logits' rounding."""
@@ -30,7 +29,7 @@ def test_every_layer_matches_the_naive_reference(attn, cla):
     torch.testing.assert_close(fast.double(), naive_forward(model, idx), atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("attn", ATTENTION)
+@pytest.mark.parametrize("attn", VARIANTS)
 def test_forward_shapes_and_finite_loss(attn):
     model = GPT(replace(TINY, attn=attn))
     idx = torch.randint(0, TINY.vocab_size, (3, 10))
@@ -42,7 +41,7 @@ def test_forward_shapes_and_finite_loss(attn):
     assert model(idx)[1] is None
 
 
-@pytest.mark.parametrize("attn", ATTENTION)
+@pytest.mark.parametrize("attn", VARIANTS)
 def test_tiny_model_overfits_one_batch(attn):
     torch.manual_seed(0)
     model = GPT(replace(TINY, attn=attn))
@@ -84,7 +83,7 @@ def test_lrkv_with_zero_residual_is_mqa():
 
 def test_lrkv_init_residual_is_a_tenth_of_the_shared_projection():
     torch.manual_seed(0)
-    attn = GPT(ModelConfig(attn="lrkv", n_layer=1)).blocks[0].attn
+    attn = GPT(GPTConfig(attn="lrkv", n_layer=1)).blocks[0].attn
     H, d_h, r = attn.n_head, attn.head_dim, attn.lrkv_rank
     for W_shared, U, B in ((attn.W_shared_k, attn.U_k, attn.B_k), (attn.W_shared_v, attn.U_v, attn.B_v)):
         U, B = U.weight.view(H, r, -1), B.view(H, d_h, r)
@@ -94,7 +93,7 @@ def test_lrkv_init_residual_is_a_tenth_of_the_shared_projection():
 
 
 @pytest.mark.parametrize("cla", [1, 2])
-@pytest.mark.parametrize("attn", ATTENTION)
+@pytest.mark.parametrize("attn", VARIANTS)
 def test_cached_decoding_equals_full_forward(attn, cla):
     model = tiny_model(attn, cla=cla)
     idx = torch.randint(0, TINY.vocab_size, (2, 24))
@@ -107,7 +106,7 @@ def test_cached_decoding_equals_full_forward(attn, cla):
     assert (torch.cat(pieces, dim=1) - full).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("attn", ATTENTION)
+@pytest.mark.parametrize("attn", VARIANTS)
 def test_a_repeated_cache_continues_one_prompt_several_ways(attn):
     """A prompt prefilled once, its cache repeated for 3 continuations of different tokens: each
     continuation's logits are the full forward's of prompt + continuation."""
@@ -122,7 +121,7 @@ def test_a_repeated_cache_continues_one_prompt_several_ways(attn):
     assert cache.pos == 9 and (logits - full).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("attn", ATTENTION)
+@pytest.mark.parametrize("attn", VARIANTS)
 def test_cla_layers_hold_queries_alone_and_cache_nothing(attn):
     """--cla=2: the second layer of each pair keeps W_o and its queries' weights, and nothing else
     (no key or value weights), and caches nothing: the model caches what its first layers cache at
@@ -139,10 +138,10 @@ def test_cla_layers_hold_queries_alone_and_cache_nothing(attn):
     assert shared.kv_cache_bytes(3, 32) == sum(buf.nbytes for layer in first_layers for buf in layer.values())
 
 
-@pytest.mark.parametrize("attn", list(ATTENTION))
+@pytest.mark.parametrize("attn", list(VARIANTS))
 def test_cla_2_halves_each_variants_cache_at_128m(attn):
     with torch.device("meta"):
-        model, shared = GPT(ModelConfig(attn=attn)), GPT(ModelConfig(attn=attn, cla=2))
+        model, shared = GPT(GPTConfig(attn=attn)), GPT(GPTConfig(attn=attn, cla=2))
     assert 2 * shared.kv_cache_bytes(1, 2048, torch.bfloat16) == model.kv_cache_bytes(1, 2048, torch.bfloat16)
     assert 2 * shared.kv_cache_elements_per_token() == model.kv_cache_elements_per_token()
 
@@ -150,10 +149,10 @@ def test_cla_2_halves_each_variants_cache_at_128m(attn):
 @pytest.mark.parametrize("cla", [0, 3])
 def test_bad_cla_is_refused_naming_the_flag(cla):
     with pytest.raises(ValueError, match=f"--cla={cla}: must be"):
-        ModelConfig(n_layer=4, cla=cla)
+        GPTConfig(n_layer=4, cla=cla)
 
 
-@pytest.mark.parametrize("attn", ATTENTION)
+@pytest.mark.parametrize("attn", VARIANTS)
 def test_a_prompt_runs_the_attention_kernel_training_runs(attn):
     """A prompt into an empty cache gets training's SDPA kernel. Values that flash attention
     refuses (LRKV's [V_shared | R_h^V], d_h + r wide; MLA's latent, here narrower than its q/k
@@ -181,7 +180,7 @@ def test_cached_rms_is_what_norm_divides_by(dtype, tol):
     assert torch.allclose(divided, norm(x).double(), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("attn", ATTENTION)
+@pytest.mark.parametrize("attn", VARIANTS)
 def test_bf16_single_token_steps_with_small_keys_match_the_full_forward(attn):
     model = small_key_model(attn)
     idx = torch.randint(0, TINY.vocab_size, (2, 24))
@@ -190,7 +189,7 @@ def test_bf16_single_token_steps_with_small_keys_match_the_full_forward(attn):
     assert (stepped - full[:, 8:]).norm() / full[:, 8:].norm() < 2e-2
 
 
-@pytest.mark.parametrize("attn", ATTENTION)
+@pytest.mark.parametrize("attn", VARIANTS)
 def test_single_token_steps_match_a_chunk_over_64_positions(attn):
     """Single-token steps of the plain cached path against one chunk after the same prefix,
     which rebuilds the keys, and against the full forward, over 64 positions."""
@@ -206,7 +205,7 @@ def test_single_token_steps_match_a_chunk_over_64_positions(attn):
     assert (stepped - full[:, 8:]).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("attn", ATTENTION)
+@pytest.mark.parametrize("attn", VARIANTS)
 def test_greedy_generation_is_the_same_with_and_without_cache(attn):
     model = tiny_model(attn)
     prompt = torch.randint(0, TINY.vocab_size, (2, 5))
@@ -227,7 +226,7 @@ def test_generation_draws_no_id_past_the_tokenizers_vocabulary():
     assert model.generate(prompt, 20, temperature=0, vocab_size=7)[:, 3:].max() < 7
 
 
-@pytest.mark.parametrize("attn", ATTENTION)
+@pytest.mark.parametrize("attn", VARIANTS)
 def test_generation_goes_on_past_the_context_on_caches_of_block_size(attn, monkeypatch):
     """Greedy tokens with the cache and without it are the reference's, the context cropped at the
     same points, over more than twice block_size; every cache allocated is block_size long. In
@@ -263,10 +262,10 @@ def cache_elements(attn, c):
     return sum(REFERENCES[attn].cache_elements(c, layer) for layer in range(c.n_layer))
 
 
-@pytest.mark.parametrize("attn", ATTENTION)
+@pytest.mark.parametrize("attn", VARIANTS)
 def test_kv_cache_bytes_of_the_128m_model(attn):
     with torch.device("meta"):
-        model = GPT(ModelConfig(attn=attn))
+        model = GPT(GPTConfig(attn=attn))
     mib = REFERENCES[attn].paper_cache_mib + REFERENCES[attn].decoder_extra_mib
     assert model.kv_cache_bytes(1, 2048, torch.bfloat16) == mib * MIB
     H, d_h, c = model.config.n_head, model.config.head_dim, model.config
@@ -276,7 +275,7 @@ def test_kv_cache_bytes_of_the_128m_model(attn):
         assert model.kv_cache_elements_per_token() / (c.n_layer * 2 * H * d_h) == pytest.approx(fraction)
 
 
-@pytest.mark.parametrize("attn", ATTENTION)
+@pytest.mark.parametrize("attn", VARIANTS)
 def test_generation_allocates_exactly_the_predicted_cache(attn, monkeypatch):
     model = tiny_model(attn)
     allocated = []
@@ -300,11 +299,11 @@ def test_caches_default_to_the_weights_dtype():
         assert model.kv_cache_bytes(2, 8) == model.kv_cache_bytes(2, 8, dtype)
 
 
-@pytest.mark.parametrize("attn", ATTENTION)
+@pytest.mark.parametrize("attn", VARIANTS)
 def test_parameter_and_flop_counts_follow_each_variants_formula(attn):
     """At 128M: the parameters, and the training FLOPs per token, 6 per weight of every matmul (all
     but the embedding) plus 6 per multiply-add of q k^T and a v over T keys, q/k heads d_qk wide."""
-    c = ModelConfig(attn=attn)
+    c = GPTConfig(attn=attn)
     params, attention, T = 0, 0, 1024
     with torch.device("meta"):
         model = GPT(c)
@@ -317,7 +316,7 @@ def test_parameter_and_flop_counts_follow_each_variants_formula(attn):
     assert model.flops_per_token(T) == 6 * (c.vocab_size * c.n_embd + params) + 6 * attention
 
 
-@pytest.mark.parametrize("attn", ATTENTION)
+@pytest.mark.parametrize("attn", VARIANTS)
 def test_head_qk_grams_are_the_pair_products_of_each_variants_head_maps(attn):
     """What diversity.py reads of a layer, head_qk_grams, is (Q_i^T Q_j, K_i^T K_j) for the maps Q_h
     and K_h that make head h's query and key from x before the QK norm and RoPE: read off the
@@ -365,10 +364,19 @@ def test_the_readme_names_every_field_of_a_reference():
 ])
 def test_bad_configuration_raises(overrides, field):
     with pytest.raises(ValueError, match=f"--{field}="):
-        ModelConfig(**overrides)
+        GPTConfig(**overrides)
+
+
+def python_files(root):
+    """The repository's own Python files: none of a virtual environment, git, data or a run's output."""
+    skip = {".venv", ".git", "out", "data", "__pycache__"}
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [name for name in subfolders if name not in skip]
+        yield from (Path(folder, name) for name in sorted(names) if name.endswith(".py"))
 
 
 def test_no_line_of_the_repository_is_longer_than_110_characters():
-    long = [f"{path.name}:{i}" for path in sorted(Path(__file__).parent.glob("*.py"))
+    root = Path(__file__).parent
+    long = [f"{path.relative_to(root)}:{i}" for path in python_files(root)
             for i, line in enumerate(path.read_text().splitlines(), 1) if len(line) > 110]
     assert not long, f"lines over 110 characters: {', '.join(long)}"

@@ -19,8 +19,9 @@ n_kv_head = 3
 kv_lora_rank = 16
 rope_head_dim = 16
 lrkv_rank = 6  # for --attn=lrkv by hand; make demo runs the figures' 2 and 8
-# lib/rivals.py's knobs at the same ratios (make demo-rivals): GTA keeps G = 3 tied heads (its RoPE half is
-# d_h/2 = 8 by its paper), GLA-2 two latent heads of 2 d_h = 32, MLRA-4 four of d_h = 16, TPA its ranks
+# lib/attention/rivals.py's knobs at the same ratios (make demo-rivals): GTA keeps G = 3 tied heads
+# (its RoPE half is d_h/2 = 8 by its paper), GLA-2 two latent heads of 2 d_h = 32, MLRA-4 four of
+# d_h = 16, TPA its ranks
 gta_kv_heads = 3
 gla_latent_dim = 32
 mlra_latent_dim = 16
@@ -45,5 +46,6 @@ dtype = "float32"
 # hardware.native_dtype it ran in bf16 on an AMX CPU, and MQA ended at 1.595 there against 1.609
 # with fp32 (docs/results.md); config/demo_deep.py inherits it.
 ns_dtype = "float32"
-eval_tokens = 128 * 128  # the pydocs val split holds ~21.6k tokens (Python 3.11); other Pythons ship other docs
+# the pydocs val split holds ~21.6k tokens (Python 3.11); other Pythons ship other docs
+eval_tokens = 128 * 128
 log_interval = 25

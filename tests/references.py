@@ -12,13 +12,12 @@ from typing import Callable
 import pytest
 import torch
 
-from lib.variants import ModelConfig
-from model import GPT
+from model import GPT, GPTConfig
 
-TINY = ModelConfig(
+TINY = GPTConfig(
     block_size=32, vocab_size=61, n_layer=2, n_head=4, n_embd=64, head_dim=16,
     n_kv_head=2, kv_lora_rank=24, rope_head_dim=8, lrkv_rank=4,
-    gta_kv_heads=2, gla_latent_dim=12, mlra_latent_dim=8,  # lib/rivals.py's, to the tiny shape
+    gta_kv_heads=2, gla_latent_dim=12, mlra_latent_dim=8,  # lib/attention/rivals.py's, to the tiny shape
 )
 MIB = 2**20
 # bf16 MiB at 128M (12 layers x 2048 tokens x 2 bytes) per cached element per token and layer
@@ -153,7 +152,7 @@ def mla_key_builder(layer):
     return layer.W_up_k, "forward", lambda c: c.size(1)
 
 
-# The rivals (lib/rivals.py)
+# The rivals (lib/attention/rivals.py)
 
 # Each rival's keys and values from its paper's equations, in float64, head by head, as
 # naive_attention takes them (Reference.keys_values)

@@ -15,20 +15,21 @@ import pytest
 import torch
 
 import analyze
-from lib import checkpoint
+from lib.training import checkpoint
 
-from lib import convert
+from lib.attention import convert
 
-from lib import diversity
+from lib.attention import diversity
 
 import prepare_data
+from lib.training.data import TrainBatches, read_shard, shard_paths
 import train
-from lib.variants import ModelConfig
-from model import GPT
+from lib.training import recipe
+from model import GPT, GPTConfig
 from test_train import flip_a_bit
 
 H, D, D_QK = 4, 24, 6
-TINY = ModelConfig(
+TINY = GPTConfig(
     block_size=16, vocab_size=64, n_layer=3, n_head=4, n_embd=32, head_dim=8,
     n_kv_head=2, kv_lora_rank=8, rope_head_dim=4, lrkv_rank=2,
 )
@@ -340,9 +341,9 @@ def test_rank_energy_png_sees_the_heads_through_the_checkpoints_training_data(tm
     analyze.main([str(found)])
     run = json.loads((found.parent / "analysis.json").read_text())["runs"][0]
     model = checkpoint.load_checkpoint(found, "cpu")[1]
-    shards = [prepare_data.read_shard(p) for p in prepare_data.shard_paths(data_dir, "train")]
-    batches = prepare_data.TrainBatches(shards, TINY.block_size)
-    tokens = train.TrainConfig.calibration_tokens
+    shards = [read_shard(p) for p in shard_paths(data_dir, "train")]
+    batches = TrainBatches(shards, TINY.block_size)
+    tokens = recipe.TrainConfig.calibration_tokens
     covariances = convert.attention_input_covariances(model, batches, tokens, 2, 8, "cpu")
     assert run["rank_energy_seen"] == analyze.rank_energy(model.double(), covariances)
     assert [ax.get_title() for ax in analyze.plot_rank_energy(run, TINY.head_dim).axes] == [

@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 
-from lib.variants import ATTENTION, ModelConfig
-from model import GPT
+from model import GPT, GPTConfig, VARIANTS
 from tools import bench
 
 
@@ -34,7 +33,7 @@ def test_tiny_bench_writes_a_row_per_variant(tmp_path, capsys):
         torch.set_num_threads(threads)
     stdout = capsys.readouterr().out
     result = strict_json(out.read_text())
-    assert list(result["variants"]) == list(ATTENTION)
+    assert list(result["variants"]) == list(VARIANTS)
     assert not list(tmp_path.glob("*.tmp"))
     # the preset's decode batch and contexts when no flag names others
     assert result["decode"]["batch_sizes"] == list(bench.PRESETS["tiny"]["decode_batches"]) == [2]
@@ -47,7 +46,7 @@ def test_tiny_bench_writes_a_row_per_variant(tmp_path, capsys):
         assert positive_numbers(train, "ms_per_step", "optimizer_ms", "tokens_per_s", "x_mha")
         assert train["mfu"] is None
         assert [(d["batch_size"], d["context"]) for d in row["decode"]] == [(batch, L) for L in contexts]
-        model = GPT(ModelConfig(attn=name, **result["config"]))
+        model = GPT(GPTConfig(attn=name, **result["config"]))
         for d in row["decode"]:
             assert positive_numbers(d, "ms_per_token", "tokens_per_s", "step_alone_ms_per_token", "cache_mib",
                                     "cache_pct_mha", "x_mha")
@@ -81,7 +80,7 @@ def test_decode_flags_sweep_every_batch_at_every_context(tmp_path):
         assert "train" not in row
         sweep = [(d["batch_size"], d["context"]) for d in row["decode"]]
         assert sweep == [(3, 16), (3, 80), (1, 16), (1, 80)]
-        model = GPT(ModelConfig(attn=name, **result["config"]))
+        model = GPT(GPTConfig(attn=name, **result["config"]))
         for d, baseline in zip(row["decode"], mha):  # each row against MHA's at its batch and context
             assert d["cache_mib"] * 2**20 == model.kv_cache_bytes(d["batch_size"], d["context"], dtype)
             assert d["cache_pct_mha"] == 100 * d["cache_mib"] / baseline["cache_mib"]
@@ -162,7 +161,7 @@ def test_compiled_rounds_keep_a_graph_for_every_variant(monkeypatch):
     monkeypatch.setattr(bench, "compiled_step", step)
     monkeypatch.setattr(bench, "FixedKVCache", lambda cache: type("Fixed", (), {"pos": torch.zeros(1)})())
     state = {attn: (type("Cache", (), {})(), 0, torch.zeros(1, 1, dtype=torch.long), None, None)
-             for attn in ATTENTION}
+             for attn in VARIANTS}
     assert len(state) > 8
-    bench.compiled_rounds(dict.fromkeys(ATTENTION), state, 2, torch.device("cpu"))
-    assert min(limits) >= len(ATTENTION)
+    bench.compiled_rounds(dict.fromkeys(VARIANTS), state, 2, torch.device("cpu"))
+    assert min(limits) >= len(VARIANTS)

@@ -7,10 +7,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from lib import convert
+from lib.attention import convert
 
-from lib.variants import ATTENTION
-from model import GPT
+from model import GPT, VARIANTS
 from references import TINY, tiny_model
 
 
@@ -20,7 +19,7 @@ def per_head_error(W, heads, C=None):
     return (D.pow(2).sum() if C is None else torch.einsum("hod,de,hoe->", D, C, D)).item()
 
 
-@pytest.mark.parametrize("attn", ATTENTION)
+@pytest.mark.parametrize("attn", VARIANTS)
 def test_every_conversion_keeps_what_the_mean_keeps_and_is_exact_within_reach(attn):
     """From an MHA source, a variant either refuses in one line or: copies the embeddings, queries,
     output projections and MLPs; gives back per-head projections (its head_kv_weights) no further

@@ -6,11 +6,10 @@ eager's tokens through GPT.stream's step, past the model's context too."""
 import pytest
 import torch
 
-from lib import decode
+from lib.attention import decode
 
-from lib.decode import ExactKVCache, FixedKVCache, compiled_decode, compiled_step, exact_step
-from lib.variants import ATTENTION
-from model import GPT, LowRankKVAttention
+from lib.attention.decode import ExactKVCache, FixedKVCache, compiled_decode, compiled_step, exact_step
+from model import GPT, LowRankKVAttention, VARIANTS
 from references import REFERENCES, TINY, cropped_greedy, small_key_model, tiny_model, token_by_token
 
 
@@ -34,7 +33,7 @@ def fixed_steps(model, idx, prefix, step):
 
 
 @pytest.mark.parametrize("cla", [1, 2])
-@pytest.mark.parametrize("attn", ATTENTION)
+@pytest.mark.parametrize("attn", VARIANTS)
 def test_every_registered_step_equals_its_plain_reference_at_every_step(attn, cla, monkeypatch):
     """A variant's registered step gives what reference_step, the plain equation, gives, on the
     arguments of every step of a decode, and so does each optimised piece it calls (a function of
@@ -67,7 +66,7 @@ def test_every_registered_step_equals_its_plain_reference_at_every_step(attn, cl
 
 
 @pytest.mark.parametrize("cla", [1, 2])
-@pytest.mark.parametrize("attn", ATTENTION)
+@pytest.mark.parametrize("attn", VARIANTS)
 def test_exact_steps_give_the_plain_steps_logits(attn, cla):
     """Over 64 positions in fp32 (test_model.py checks the plain steps against a chunk and the full
     forward), and against the full forward in bf16 with small keys."""
@@ -80,7 +79,7 @@ def test_exact_steps_give_the_plain_steps_logits(attn, cla):
     assert (stepped - full).norm() / full.norm() < 2e-2
 
 
-@pytest.mark.parametrize("attn", ATTENTION)
+@pytest.mark.parametrize("attn", VARIANTS)
 def test_single_token_steps_build_keys_of_their_own_token_only(attn, monkeypatch):
     """A single-token step builds its own token's per-head keys and no cached position's: those
     that MHA, GQA and MQA cache, and those LRKV and MLA build for the key RMS that they cache, where
@@ -106,7 +105,7 @@ def test_single_token_steps_build_keys_of_their_own_token_only(attn, monkeypatch
     assert positions == [1] * 56 * TINY.n_layer, f"--attn={attn} built keys of {positions[:4]}... positions"
 
 
-@pytest.mark.parametrize("attn", ATTENTION)
+@pytest.mark.parametrize("attn", VARIANTS)
 def test_greedy_generation_through_exact_steps_is_the_uncached_argmax_loop(attn):
     """generate(step=exact_step) gives the greedy tokens of a full forward per token, the context
     cropped as GPT.stream documents, over more than twice block_size. In float64: no near-tie
@@ -135,7 +134,7 @@ def test_a_subclass_inherits_its_parents_step_unless_it_registers_its_own(monkey
 
 
 @pytest.mark.parametrize("cla", [1, 2])
-@pytest.mark.parametrize("attn", ATTENTION)
+@pytest.mark.parametrize("attn", VARIANTS)
 def test_fixed_shape_steps_equal_the_full_forward(attn, cla):
     """Every step attends over the whole max_len cache, the positions not yet written masked."""
     model = tiny_model(attn, cla=cla)
@@ -146,7 +145,7 @@ def test_fixed_shape_steps_equal_the_full_forward(attn, cla):
     assert (stepped - full[:, 6:]).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("attn", ATTENTION)
+@pytest.mark.parametrize("attn", VARIANTS)
 def test_the_fixed_shape_step_is_one_graph_at_every_position(attn):
     """Captured whole (fullgraph) and never recompiled as the position moves: the step that
     compiled_step compiles, traced here by dynamo without inductor's code generation."""

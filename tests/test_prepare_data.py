@@ -19,6 +19,8 @@ import tiktoken.load
 from tiktoken_ext import openai_public
 
 import prepare_data as pd
+from lib.training import data as shards
+from lib.training.data import get_tokenizer, load_meta, read_shard, shard_paths, token_bytes, write_shard
 
 REPO = Path(__file__).resolve().parents[1]  # the repository, above tests/
 
@@ -48,9 +50,9 @@ def write_fineweb_parquet(path, texts):
 
 def documents(data_dir, split):
     """The texts of a split's documents, read back from its shards."""
-    meta = pd.load_meta(data_dir)
-    tok = pd.get_tokenizer(meta["tokenizer"])
-    tokens = np.concatenate([pd.read_shard(p) for p in pd.shard_paths(data_dir, split)])
+    meta = load_meta(data_dir)
+    tok = get_tokenizer(meta["tokenizer"])
+    tokens = np.concatenate([read_shard(p) for p in shard_paths(data_dir, split)])
     assert tokens[0] == tok.eot_id
     starts = np.flatnonzero(tokens == tok.eot_id)
     return [tok.decode(doc[1:]) for doc in np.split(tokens, starts[1:])]
@@ -58,13 +60,13 @@ def documents(data_dir, split):
 def check_dataset(data_dir, texts):
     """The shards hold exactly the input documents, tokenized, each in one split, and the
     counts agree with meta.json."""
-    meta = pd.load_meta(data_dir)
-    tok, lengths = pd.get_tokenizer(meta["tokenizer"]), pd.token_bytes(meta["tokenizer"])
+    meta = load_meta(data_dir)
+    tok, lengths = get_tokenizer(meta["tokenizer"]), token_bytes(meta["tokenizer"])
     train, val = documents(data_dir, "train"), documents(data_dir, "val")
     assert train and val and not set(train) & set(val)
     assert sorted(train + val) == sorted(texts)
     for split, docs in (("train", train), ("val", val)):
-        tokens = np.concatenate([pd.read_shard(p) for p in pd.shard_paths(data_dir, split)])
+        tokens = np.concatenate([read_shard(p) for p in shard_paths(data_dir, split)])
         expected = np.concatenate([[tok.eot_id, *ids] for ids in tok.encode_batch(docs)])
         assert np.array_equal(tokens, expected)
         assert meta[f"{split}_tokens"] == len(tokens)
@@ -85,7 +87,7 @@ def snapshot(folder):
 # -----------------------------------------------------------------------------
 
 def test_byte_tokenizer_round_trip():
-    tok = pd.get_tokenizer("byte")
+    tok = get_tokenizer("byte")
     assert (tok.vocab_size, tok.eot_id) == (256, 0)
     texts = ["Hello world", "ünïcödé 数据 🙂\n", "nul\0bytes\0are dropped", ""]
     ids = tok.encode_batch(texts)
@@ -94,7 +96,7 @@ def test_byte_tokenizer_round_trip():
     assert all(tok.eot_id not in x for x in ids)
 
 def test_gpt2_known_ids():
-    tok = pd.get_tokenizer("gpt2")
+    tok = get_tokenizer("gpt2")
     assert (tok.vocab_size, tok.eot_id) == (50257, 50256)
     ids = tok.encode_batch(["Hello world", " world", "<|endoftext|>"])
     assert ids[0].dtype == np.uint16 and [x.tolist() for x in ids[:2]] == [[15496, 995], [995]]
@@ -109,12 +111,12 @@ def test_gpt2_is_tiktokens_r50k_base(monkeypatch):
     def load(url, expected_hash):
         assert url.endswith("/r50k_base.tiktoken")
         published.append(expected_hash)
-        return tiktoken.load.load_tiktoken_bpe(str(pd.GPT2_RANKS))
+        return tiktoken.load.load_tiktoken_bpe(str(shards.GPT2_RANKS))
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")  # read the file without copying it into a cache
     monkeypatch.setattr(openai_public, "load_tiktoken_bpe", load)
     theirs = tiktoken.Encoding(**openai_public.r50k_base())
-    assert published == [pd.GPT2_SHA256] == [hashlib.sha256(pd.GPT2_RANKS.read_bytes()).hexdigest()]
-    ours = pd.get_tokenizer("gpt2").enc
+    assert published == [shards.GPT2_SHA256] == [hashlib.sha256(shards.GPT2_RANKS.read_bytes()).hexdigest()]
+    ours = get_tokenizer("gpt2").enc
     assert (ours.name, ours.n_vocab, ours.eot_token) == (theirs.name, theirs.n_vocab, theirs.eot_token)
     assert ours.special_tokens_set == theirs.special_tokens_set
     assert all(ours.decode_single_token_bytes(i) == theirs.decode_single_token_bytes(i)
@@ -131,8 +133,8 @@ def test_gpt2_is_tiktokens_r50k_base(monkeypatch):
 
 def test_corrupt_gpt2_vocabulary_is_one_line(tmp_path, monkeypatch):
     bad = tmp_path / "gpt2.tiktoken"
-    bad.write_bytes(pd.GPT2_RANKS.read_bytes()[:-1000])
-    monkeypatch.setattr(pd, "GPT2_RANKS", bad)
+    bad.write_bytes(shards.GPT2_RANKS.read_bytes()[:-1000])
+    monkeypatch.setattr(shards, "GPT2_RANKS", bad)
     (tmp_path / "a.txt").write_text("some text")
     with pytest.raises(SystemExit) as error:
         pd.main(["--dataset=text", f"--input={tmp_path / 'a.txt'}", f"--out_dir={tmp_path / 'out'}"])
@@ -142,7 +144,7 @@ def test_corrupt_gpt2_vocabulary_is_one_line(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("name", ["byte", "gpt2"])
 def test_decode_bytes_feeds_an_incremental_utf8_decoder(name):
-    tok = pd.get_tokenizer(name)
+    tok = get_tokenizer(name)
     text = "ünïcödé 数据 naïve café 🙂 𝔘𝔫𝔦𝔠𝔬𝔡𝔢\n"
     ids = tok.encode_batch([text])[0]
     assert tok.decode_bytes([tok.eot_id, *ids, tok.eot_id]) == text.encode()
@@ -156,8 +158,8 @@ def test_decode_bytes_feeds_an_incremental_utf8_decoder(name):
 
 @pytest.mark.parametrize("name", ["byte", "gpt2"])
 def test_token_bytes_count_utf8_bytes(name):
-    tok = pd.get_tokenizer(name)
-    lengths = pd.token_bytes(name)
+    tok = get_tokenizer(name)
+    lengths = token_bytes(name)
     assert lengths.shape == (tok.vocab_size,) and lengths[tok.eot_id] == 0
     for text in make_texts(20):
         assert lengths[tok.encode_batch([text])[0]].sum() == len(text.encode())
@@ -165,8 +167,8 @@ def test_token_bytes_count_utf8_bytes(name):
 def test_read_shard_round_trip_and_errors(tmp_path):
     tokens = np.array([0, 1, 2, 50256, 65535], dtype=np.uint16)
     path = tmp_path / "train_000000.bin"
-    pd.write_shard(path, tokens)
-    shard = pd.read_shard(path)
+    write_shard(path, tokens)
+    shard = read_shard(path)
     assert shard.dtype == np.uint16 and np.array_equal(shard, tokens)
     assert not shard.flags.writeable
 
@@ -178,7 +180,7 @@ def test_read_shard_round_trip_and_errors(tmp_path):
         bad = tmp_path / f"{name}.bin"
         bad.write_bytes(broken)
         with pytest.raises(ValueError) as error:
-            pd.read_shard(bad)
+            read_shard(bad)
         assert str(bad) in str(error.value) and "\n" not in str(error.value)
 
 def test_fineweb_parquet_end_to_end(tmp_path):
@@ -207,26 +209,28 @@ def test_text_folder_and_max_tokens(tmp_path):
 
     pd.main(["--dataset=text", "--tokenizer=byte", f"--input={tmp_path / 'in'}",
              f"--out_dir={tmp_path / 'cut'}", "--max_tokens=1000"])
-    meta = pd.load_meta(tmp_path / "cut")
+    meta = load_meta(tmp_path / "cut")
     assert meta["train_tokens"] + meta["val_tokens"] == 1000
 
 def test_pydocs_is_deterministic(tmp_path):
     for name in ("a", "b"):
         pd.main(["--dataset=pydocs", "--tokenizer=byte", f"--out_dir={tmp_path / name}"])
-    meta = pd.load_meta(tmp_path / "a")
+    meta = load_meta(tmp_path / "a")
     assert 1_000_000 < meta["train_bytes"] + meta["val_bytes"] < 4_000_000
     assert meta["val_tokens"] > 0 and meta["vocab_size"] == 256
     assert contents(tmp_path / "a") == contents(tmp_path / "b")
 
 def kill_when_writing(monkeypatch, name, partial_bytes=0):
-    """pd.write_atomic raises KeyboardInterrupt, as a kill would, when it comes to the file
-    `name`, leaving its first partial_bytes in name.tmp; it writes every other file as usual."""
-    write_atomic = pd.write_atomic
+    """write_atomic (lib/training/data.py's, which prepare_data.py's shards and meta.json go through)
+    raises KeyboardInterrupt, as a kill would, when it comes to the file `name`, leaving its first
+    partial_bytes in name.tmp; it writes every other file as usual."""
+    write_atomic = shards.write_atomic
     def dying(path, *parts):
         if path.name == name:
             path.with_name(path.name + ".tmp").write_bytes(b"".join(parts)[:partial_bytes])
             raise KeyboardInterrupt
         write_atomic(path, *parts)
+    monkeypatch.setattr(shards, "write_atomic", dying)
     monkeypatch.setattr(pd, "write_atomic", dying)
 
 def test_rerun_resumes_after_interruption(tmp_path, monkeypatch, capsys):
@@ -244,9 +248,9 @@ def test_rerun_resumes_after_interruption(tmp_path, monkeypatch, capsys):
     assert sorted(p.name for p in out.glob("*.bin")) == [
         "train_000000.bin", "train_000001.bin", "val_000000.bin", "val_000001.bin"]
     for shard in out.glob("*.bin"):
-        pd.read_shard(shard)
+        read_shard(shard)
     with pytest.raises(FileNotFoundError):
-        pd.load_meta(out)
+        load_meta(out)
 
     monkeypatch.undo()
     before = snapshot(out)
@@ -286,7 +290,7 @@ def test_load_meta_names_the_command(tmp_path, monkeypatch):
              "mine": "--dataset=... --tokenizer=... --out_dir=mine`"}
     for data_dir, command in cases.items():
         with pytest.raises(FileNotFoundError, match=re.escape(command)):
-            pd.shard_paths(data_dir, "train")
+            shard_paths(data_dir, "train")
 
 # -----------------------------------------------------------------------------
 # bad input: one line on stderr, a non-zero exit, nothing written or overwritten
@@ -360,8 +364,8 @@ def small_dataset(tmp_path, *flags):
 
 def test_meta_records_each_shards_largest_token(tmp_path):
     pd.main(small_dataset(tmp_path, "--shard_tokens=2000"))
-    meta = pd.load_meta(tmp_path / "out")
-    largest = {name: int(pd.read_shard(tmp_path / "out" / name).max())
+    meta = load_meta(tmp_path / "out")
+    largest = {name: int(read_shard(tmp_path / "out" / name).max())
                for name in meta["shards"]["train"] + meta["shards"]["val"]}
     assert len(largest) > 2 and meta["largest_token"] == largest
 
@@ -383,7 +387,7 @@ def test_hand_edited_meta_json_names_the_file_and_the_field(tmp_path, edit, mess
     edited = edit(json.loads(path.read_text()))
     path.write_text(edited if isinstance(edited, str) else json.dumps(edited))
     with pytest.raises(ValueError) as error:
-        pd.load_meta(tmp_path / "out")
+        load_meta(tmp_path / "out")
     assert str(error.value).startswith(f"{path}: ") and message in str(error.value)
 
 def test_hand_edited_progress_json_is_one_line(tmp_path, monkeypatch):

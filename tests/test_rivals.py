@@ -1,6 +1,6 @@
-"""Tests of lib/rivals.py, the field's rivals of LRKV (GTA, GLA, TPA, MLRA), against their papers.
+"""Tests of lib/attention/rivals.py, the field's rivals of LRKV (GTA, GLA, TPA, MLRA), against their papers.
 
-lib/variants.py lists them in ATTENTION and tests/references.py gives each its Reference from its
+lib/variants.py lists them in VARIANTS and tests/references.py gives each its Reference from its
 paper's equations, so every test of test_model.py, test_decode.py and test_convert.py that runs on
 every variant runs on them already (shapes, overfitting, the float64 head-by-head reference of every
 layer, with and without CLA, cached, exact, fixed-shape and compiled decoding, greedy decoding with
@@ -18,12 +18,12 @@ import pytest
 import torch
 
 import analyze
+from lib.evaluation import runs
 import sample
 import test_model
 import train
-from lib import rivals
-from lib.variants import ATTENTION, ModelConfig
-from model import GPT
+from lib.attention import rivals
+from model import GPT, GPTConfig, VARIANTS, attention_class
 from references import REFERENCES, TINY, tiny_model, tpa_head_maps
 from test_decode import exact_steps
 from test_train import data_dir, flags  # noqa: F401 (data_dir is a fixture)
@@ -32,9 +32,9 @@ NAMES = ("gta", "gla", "tpa", "mlra")
 
 
 def test_every_rival_is_named_with_a_reference_and_a_legend():
-    assert [name for name in ATTENTION if ATTENTION[name].__module__ == rivals.__name__] == list(NAMES)
+    assert [name for name in VARIANTS if attention_class(name).__module__ == rivals.__name__] == list(NAMES)
     assert all(name in REFERENCES for name in NAMES)
-    labels = [analyze.variant_label(ModelConfig(attn=name), []) for name in NAMES]
+    labels = [runs.variant_label(GPTConfig(attn=name), []) for name in NAMES]
     assert labels == ["GTA (3 KV heads)", "GLA-2", "TPA", "MLRA (4 latent heads)"]
 
 
@@ -51,7 +51,7 @@ PAPER_CACHE = {
 @pytest.mark.parametrize("attn", NAMES)
 def test_each_cache_is_its_papers_formula_at_128m(attn):
     with torch.device("meta"):
-        model = GPT(ModelConfig(attn=attn))
+        model = GPT(GPTConfig(attn=attn))
     paper, extra = PAPER_CACHE[attn]
     per_layer = model.kv_cache_elements_per_token() / model.config.n_layer
     assert per_layer == paper + extra
@@ -120,7 +120,7 @@ def test_a_rival_trains_is_sampled_with_its_cache_and_analysed(attn, data_dir, t
     assert sample.main([str(run / "ckpt.pt"), "--max_new_tokens=40", "--temperature=0", "--device=cpu"]) == 0
     analyze.main([str(run / "ckpt.pt"), "--out_dir", str(tmp_path / "figures")])
     [result] = json.loads((tmp_path / "figures" / "analysis.json").read_text())["runs"]
-    c = ModelConfig(**torch.load(run / "ckpt.pt", weights_only=True)["model_args"])
+    c = GPTConfig(**torch.load(run / "ckpt.pt", weights_only=True)["model_args"])
     per_layer = REFERENCES[attn].cache_elements(c, 0)
     assert result["kv_cache_elements_per_token"] == c.n_layer * per_layer
     assert result["kv_cache_fraction"] == pytest.approx(per_layer / (2 * c.n_head * c.head_dim))

@@ -12,19 +12,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from lib import checkpoint
+from lib.training import checkpoint
 
-from lib import hardware
+from lib.training import hardware
 
-import prepare_data
+from lib.training.data import get_tokenizer
 import sample
 import train
-from lib.decode import compiled_decode, exact_step
+from lib.attention.decode import compiled_decode, exact_step
 from model import GPT
 from test_train import data_dir, flags, flip_a_bit  # noqa: F401 (data_dir is a fixture)
 
 REPO = Path(__file__).resolve().parents[1]  # the repository, above tests/
-BYTES = prepare_data.get_tokenizer("byte")
+BYTES = get_tokenizer("byte")
 PROMPT, NEW = "def ", 20
 SEPARATOR = "\n---------------\n"
 
@@ -204,10 +204,9 @@ def bad_inputs(ckpt, tmp_path):
 
 
 def test_auto_dtype_is_the_precision_policy_unless_the_run_chose_float32(ckpt):
-    saved = torch.load(ckpt, weights_only=True)
-    assert sample.decoding_dtype(saved, torch.device("cpu"))[0] == torch.float32
-    saved["config"]["dtype"] = "auto"
-    assert sample.decoding_dtype(saved, torch.device("cpu")) == hardware.precision("decode", "cpu")
+    assert torch.load(ckpt, weights_only=True)["config"]["dtype"] == "float32"
+    assert hardware.decoding_dtype("float32", torch.device("cpu"))[0] == torch.float32
+    assert hardware.decoding_dtype("auto", torch.device("cpu")) == hardware.precision("decode", "cpu")
 
 
 def exit_code(argv):

@@ -22,18 +22,19 @@ import torch
 import torch.nn.functional as F
 from pydoc_data.topics import topics
 
-from lib import checkpoint
+from lib.training import checkpoint
 
-from lib import convert
+from lib.attention import convert
 
-from lib import hardware
+from lib.training import hardware
 
-from lib import muon
+from lib.training import muon
 
 import prepare_data
+from lib.training.data import TrainBatches, read_shard, shard_paths, write_shard
 import train
-from lib.variants import ModelConfig
-from model import GPT
+from lib.training import recipe
+from model import GPT, GPTConfig
 
 REPO = Path(__file__).resolve().parents[1]  # the repository, above tests/
 STEPS, STOP = 12, 5
@@ -85,7 +86,7 @@ def test_loss_falls_and_checkpoint_holds_the_run(full_run):
     assert ckpt["val_loss"] == val[STEPS] and ckpt["best_val_loss"] == min(val.values())
     assert ckpt["val_bpb"] == records(full_run, "val_bpb")[STEPS]
     assert ckpt["config"]["max_steps"] == STEPS and ckpt["tokenizer"]["tokenizer"] == "byte"
-    model = GPT(ModelConfig(**ckpt["model_args"]))
+    model = GPT(GPTConfig(**ckpt["model_args"]))
     model.load_state_dict(ckpt["model"])  # strict: no compile or DDP prefixes
     assert not (full_run / "ckpt.pt.tmp").exists()
 
@@ -119,10 +120,10 @@ def test_two_gloo_processes_match_one(data_dir, full_run, tmp_path):
 
 
 def test_batches_depend_only_on_seed_step_and_rank(data_dir):
-    shards = [prepare_data.read_shard(p) for p in prepare_data.shard_paths(data_dir, "train")]
-    batches = prepare_data.TrainBatches(shards, 32)
+    shards = [read_shard(p) for p in shard_paths(data_dir, "train")]
+    batches = TrainBatches(shards, 32)
     x, y = batches.get(seed=3, step=7, batch_size=8, rank=0, world_size=1)
-    assert torch.equal(x, prepare_data.TrainBatches(shards, 32).get(3, 7, 8, 0, 1)[0])
+    assert torch.equal(x, TrainBatches(shards, 32).get(3, 7, 8, 0, 1)[0])
     assert torch.equal(x[:, 1:], y[:, :-1])
     halves = [batches.get(3, 7, 8, rank, 2)[0] for rank in (0, 1)]
     assert torch.equal(torch.cat(halves), x)
@@ -157,7 +158,7 @@ def test_the_schedule_warms_up_linearly_to_the_peak_then_decays_to_zero(max_step
     """lr_multiplier's properties, whatever its shape after the warm-up (cosine, WSD, ...): every
     step's multiplier in (0, 1]; a linear rise of 1 / warmup_steps a step, the first step's included,
     to the peak, 1; then never rising, to 0 at max_steps, the step after the last."""
-    cfg = train.TrainConfig(max_steps=max_steps, warmup_steps=warmup_steps)
+    cfg = recipe.TrainConfig(max_steps=max_steps, warmup_steps=warmup_steps)
     lr = np.array([train.lr_multiplier(step, cfg) for step in range(max_steps + 1)])
     assert (0 < lr[:-1]).all() and (lr <= 1).all()
     peak = max(warmup_steps, 1) - 1  # the step that first trains at the peak
@@ -170,7 +171,7 @@ def test_optimizer_step_clips_to_grad_clip_and_returns_the_norm_before(grad_clip
     """The returned norm is sqrt(sum of every gradient entry squared), in float64; the step
     applies the gradients scaled by min(1, grad_clip / norm) (plain SGD of lr 1 shows them), or
     as they are with grad_clip 0."""
-    config = ModelConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, head_dim=8, n_embd=16)
+    config = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, head_dim=8, n_embd=16)
     model = GPT(config).double()
     idx = torch.randint(0, 256, (2, 16))
     model(idx, idx)[1].backward()
@@ -178,7 +179,7 @@ def test_optimizer_step_clips_to_grad_clip_and_returns_the_norm_before(grad_clip
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     expected = math.sqrt(sum(g.pow(2).sum().item() for g in grads.values()))
     sgd = torch.optim.SGD(model.parameters(), lr=1.0)
-    norm = train.optimizer_step(model, [sgd], train.TrainConfig(grad_clip=grad_clip))
+    norm = recipe.optimizer_step(model, [sgd], recipe.TrainConfig(grad_clip=grad_clip))
     assert norm.item() == pytest.approx(expected, rel=1e-12)
     scale = min(1.0, grad_clip / (expected + 1e-6)) if grad_clip > 0 else 1.0  # torch's clip adds 1e-6
     for name, p in model.named_parameters():
@@ -187,26 +188,27 @@ def test_optimizer_step_clips_to_grad_clip_and_returns_the_norm_before(grad_clip
 
 
 def test_optimizers():
-    cfg = train.TrainConfig(max_steps=100, warmup_steps=10)
+    cfg = recipe.TrainConfig(max_steps=100, warmup_steps=10)
 
-    model = GPT(ModelConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, head_dim=16, n_embd=32,
+    model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, head_dim=16, n_embd=32,
                           attn="lrkv", lrkv_rank=4))
-    newton_schulz, adamw = train.configure_optimizers(model, cfg)
+    newton_schulz, adamw = recipe.configure_optimizers(model, cfg)
     assert isinstance(newton_schulz, muon.Muon)
     blocks = {id(p) for p in model.blocks.parameters()}
     assert {id(p) for p in newton_schulz.param_groups[0]["params"]} == blocks
     groups = [[id(p) for p in g["params"]] for g in adamw.param_groups]
     assert groups == [[id(model.wte.weight)], [id(model.lm_head.weight)]]
     assert [g["lr"] for g in adamw.param_groups] == [0.2, 0.004]
-    (only,) = train.configure_optimizers(model, train.TrainConfig(optimizer="adamw"))
+    (only,) = recipe.configure_optimizers(model, recipe.TrainConfig(optimizer="adamw"))
     assert sum(len(g["params"]) for g in only.param_groups) == len(list(model.parameters()))
     # --ns_dtype pins Newton-Schulz's precision (config/demo.py: fp32 on every CPU); auto follows the device
     for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
-        assert train.configure_optimizers(model, train.TrainConfig(ns_dtype=name))[0].ns_dtype == dtype
-    assert train.configure_optimizers(model, cfg)[0].ns_dtype == hardware.precision("newton_schulz", "cpu")[0]
-    assert train.parse_args(["config/demo.py", "config/demo_deep.py"])[1].ns_dtype == "float32"
+        assert recipe.configure_optimizers(model, recipe.TrainConfig(ns_dtype=name))[0].ns_dtype == dtype
+    policy = hardware.precision("newton_schulz", "cpu")[0]
+    assert recipe.configure_optimizers(model, cfg)[0].ns_dtype == policy
+    assert recipe.parse_args(["config/demo.py", "config/demo_deep.py"])[1].ns_dtype == "float32"
     with pytest.raises(ValueError, match="ns_dtype"):
-        train.TrainConfig(ns_dtype="float16")
+        recipe.TrainConfig(ns_dtype="float16")
 
 
 def test_muon_in_bf16_matches_torch_muon():
@@ -323,7 +325,7 @@ def test_a_kill_while_saving_keeps_the_previous_checkpoint(tmp_path):
     # the child writes part of the new checkpoint, says so, and waits to be killed
     child = subprocess.Popen([sys.executable, "-c", f"""
 import io, time, torch
-from lib import checkpoint
+from lib.training import checkpoint
 from pathlib import Path
 real_save = torch.save
 def half_save(obj, f):
@@ -390,12 +392,12 @@ def test_bad_preset_is_reported_from_the_command_line(data_dir, tmp_path):
 
 
 def test_presets_parse_and_the_gpu_preset_trains_at_reduced_size(data_dir, tmp_path):
-    model, cfg = train.parse_args(["config/demo.py"])
+    model, cfg = recipe.parse_args(["config/demo.py"])
     assert (model.n_head, model.n_embd, model.n_embd // model.head_dim) == (6, 96, 6)
     # the paper's ratios at the demo's head dim: LRKV r/d_h = 46/128, MLA d_c/d = 128/768
     assert model.lrkv_rank == round(46 / 128 * model.head_dim) and model.kv_lora_rank * 6 == model.n_embd
-    model, cfg = train.parse_args(["config/gpu.py"])
-    assert model == ModelConfig() and (cfg.batch_size, cfg.max_steps, cfg.out_dir) == (16, 8000, "out/mha")
+    model, cfg = recipe.parse_args(["config/gpu.py"])
+    assert model == GPTConfig() and (cfg.batch_size, cfg.max_steps, cfg.out_dir) == (16, 8000, "out/mha")
     small = flags(data_dir=data_dir, out_dir=tmp_path, max_steps=2, eval_interval=2)
     assert train.main(["config/gpu.py", *small]) == 0
     assert sorted(records(tmp_path, "loss")) == [1, 2] and sorted(records(tmp_path, "val_loss")) == [2]
@@ -419,7 +421,7 @@ def test_init_from_starts_a_new_run_at_the_checkpoints_loss(data_dir, full_run, 
         assert sorted(val) == [0, 3] and sorted(records(out, "loss")) == [1, 2, 3]
         # the full-rank conversion computes the same keys through other matmuls: equal up to rounding
         # in the eval's dtype, the policy's for training here (test_precision.py forces each)
-        tol = 1e-5 if train.run_dtype(train.TrainConfig(), torch.device("cpu")) == "float32" else 5e-2
+        tol = 1e-5 if recipe.run_dtype(recipe.TrainConfig(), torch.device("cpu")) == "float32" else 5e-2
         close = val[0] == expected if name == "same" else abs(val[0] - expected) < tol
         assert close, (name, val[0], expected)
         ckpt = torch.load(out / "ckpt.pt", weights_only=True)
@@ -439,22 +441,22 @@ def test_calibration_records_the_normalised_inputs_each_attention_sees(data_dir)
     """attention_input_covariances against the hidden states written out block by block: layer
     l's C is X^T X / N of norm(x) entering block l, over 100 tokens rounded up to 4 windows."""
     torch.manual_seed(0)
-    model = GPT(ModelConfig(**{k: v for k, v in TINY.items() if k in ModelConfig.__dataclass_fields__}))
+    model = GPT(GPTConfig(**{k: v for k, v in TINY.items() if k in GPTConfig.__dataclass_fields__}))
     with torch.no_grad():
         # the init's zero output projections would make every layer's input alike
         for p in model.parameters():
             p.normal_(0, 0.3)
-    shards = [prepare_data.read_shard(p) for p in prepare_data.shard_paths(data_dir, "train")]
-    batches = prepare_data.TrainBatches(shards, 32)
+    shards = [read_shard(p) for p in shard_paths(data_dir, "train")]
+    batches = TrainBatches(shards, 32)
     covariances = convert.attention_input_covariances(model, batches, 100, 3, 3, "cpu")
     windows = batches.get(3, 0, 4, 0, 1)[0]
     with torch.no_grad():
         # GPT normalises the embedding, then each block its input to the attention
-        x, expected = F.rms_norm(model.double().wte(windows), (TINY["n_embd"],)), []
+        x, expected, kvs = F.rms_norm(model.double().wte(windows), (TINY["n_embd"],)), [], {}
         for block in model.blocks:
             X = F.rms_norm(x, (TINY["n_embd"],)).flatten(0, 1)  # (4 * 32, d)
             expected.append(X.T @ X / len(X))
-            x = block(x, model.rope.double())[0]
+            x = block(x, model.rope.double(), kvs=kvs)
     assert len(covariances) == len(expected) == TINY["n_layer"]
     for C, C_expected in zip(covariances, expected):
         assert C.dtype == torch.float64
@@ -462,11 +464,11 @@ def test_calibration_records_the_normalised_inputs_each_attention_sees(data_dir)
 
 
 def test_calibration_changes_a_low_rank_conversion_and_zero_tokens_is_the_weights_alone(data_dir, full_run):
-    cfg = train.TrainConfig(init_from=str(full_run / "ckpt.pt"), out_dir="unused", seed=1)
+    cfg = recipe.TrainConfig(init_from=str(full_run / "ckpt.pt"), out_dir="unused", seed=1)
     source_args = torch.load(full_run / "ckpt.pt", weights_only=True)["model_args"]
-    model_config = ModelConfig(**{**source_args, "lrkv_rank": 2})
-    shards = [prepare_data.read_shard(p) for p in prepare_data.shard_paths(data_dir, "train")]
-    batches = prepare_data.TrainBatches(shards, 32)
+    model_config = GPTConfig(**{**source_args, "lrkv_rank": 2})
+    shards = [read_shard(p) for p in shard_paths(data_dir, "train")]
+    batches = TrainBatches(shards, 32)
     source = checkpoint.load_checkpoint(full_run / "ckpt.pt", "cpu")[1]
     for tokens in (0, 256):
         cfg.calibration_tokens = tokens
@@ -484,7 +486,7 @@ def test_calibration_changes_a_low_rank_conversion_and_zero_tokens_is_the_weight
 
 def test_distill_loss_mixes_cross_entropy_with_the_kl_to_the_teachers_distribution():
     torch.manual_seed(0)
-    config = ModelConfig(**{k: v for k, v in TINY.items() if k in ModelConfig.__dataclass_fields__})
+    config = GPTConfig(**{k: v for k, v in TINY.items() if k in GPTConfig.__dataclass_fields__})
     teacher, student = GPT(config), GPT(config)
     with torch.no_grad():
         # the init's zero W_o and near-zero lm_head would leave the distributions nearly uniform
@@ -697,9 +699,9 @@ def data_with_tokens_outside(data_dir, tmp_path, split, recorded):
     bad = tmp_path / "bad"
     shutil.copytree(data_dir, bad)
     name = f"{split}_000000.bin"
-    tokens = np.array(prepare_data.read_shard(bad / name))
+    tokens = np.array(read_shard(bad / name))
     tokens[100:] = 1000
-    prepare_data.write_shard(bad / name, tokens)
+    write_shard(bad / name, tokens)
     meta = json.loads((bad / "meta.json").read_text())
     meta["largest_token"] = {name: 255} if recorded else {}
     (bad / "meta.json").write_text(json.dumps(meta))

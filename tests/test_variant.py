@@ -11,7 +11,7 @@ its resume), analyze.py and bench.py, the per-layer one through train.py and ana
 what README's "Adding a variant" asks: its key (and value) weights as methods of its class, its
 single-token step registered with decode.py (or LRKV's, inherited), its conversion with
 convert.py, its legend with analyze.py; the fixture `variant` names it in lib/variants.py's
-ATTENTION for one test."""
+VARIANTS for one test."""
 
 import inspect
 import itertools
@@ -23,13 +23,15 @@ import torch
 import torch.nn as nn
 
 import analyze
+from lib.evaluation import runs
 import references
 import test_analyze
 import test_convert
 import test_decode
 import test_model
 import train
-from lib import convert, decode, variants
+from lib.attention import convert, decode
+import model
 from model import GroupedQueryAttention, LowRankKVAttention, apply_rope, norm, rms
 from references import KEY_RMS_MIB, Reference
 from test_train import data_dir, flags  # noqa: F401 (data_dir is a fixture)
@@ -106,11 +108,10 @@ class LowRankKeyAttention(LowRankKVAttention):
         return self.W_shared_k.weight + residuals, self.W_shared_v.weight.expand(H, -1, -1)  # (H, d_h, d)
 
 
-@decode.single_token_step(LowRankKeyAttention)
 def lrk_step(attn, q, cached, rope, mask):
     """LRKV's exact key scores, then the one shared value: a_h V_shared."""
     scores = decode.key_scores(attn, q, cached["k_shared"], cached["r_k"], cached["rho"], rope)  # (B, H, S)
-    return (decode.masked_softmax(scores, mask, q.dtype) @ cached["v_shared"]).unsqueeze(1)
+    return (model.masked_softmax(scores, mask, q.dtype) @ cached["v_shared"]).unsqueeze(1)
 
 
 def load_lrk_head_kv_weights(attn, W_K, W_V, C=None):
@@ -118,8 +119,6 @@ def load_lrk_head_kv_weights(attn, W_K, W_V, C=None):
     convert.load_lrkv_head_weights(attn, W_K, attn.W_shared_k, attn.U_k, attn.B_k, C)
     attn.W_shared_v.weight.copy_(W_V.mean(0))
 
-
-convert.LOAD_HEAD_KV_WEIGHTS[LowRankKeyAttention] = load_lrk_head_kv_weights
 
 
 class PerLayerRankAttention(LowRankKVAttention):
@@ -172,7 +171,6 @@ class GroupedLowRankKVAttention(LowRankKVAttention):
         return heads(self.W_shared_k, self.U_k, self.B_k), heads(self.W_shared_v, self.U_v, self.B_v)
 
 
-@decode.single_token_step(GroupedLowRankKVAttention)
 def grouped_lrkv_step(attn, q, cached, rope, mask):
     """LRKV's step on each head's residual."""
     per_head = {name: attn.per_head(t) if name in ("r_k", "r_v") else t for name, t in cached.items()}
@@ -195,8 +193,6 @@ def load_grouped_lrkv_head_kv_weights(attn, W_K, W_V, C=None):
         U.weight.copy_((P.mT @ D).flatten(0, 1))  # (G r, d)
         factor.copy_(P.flatten(0, 1))  # (H d_h, r)
 
-
-convert.LOAD_HEAD_KV_WEIGHTS[GroupedLowRankKVAttention] = load_grouped_lrkv_head_kv_weights
 
 
 def grouped_lrkv_keys_values(attn, x, config):
@@ -230,7 +226,7 @@ def lrk_keys_values(attn, x, config):
 # the paper's 128M shape: 12 layers of 6 heads of 128, r = 46 (lrkv_per_layer: 46, 92, then 128)
 PAPER_BF16_MIB_PER_ELEMENT = 12 * 2048 * 2 / 2**20
 
-# Each variant's class, its Reference (as references.py's REFERENCES) and its legend (analyze.LEGEND)
+# Each variant's class, its Reference (as references.py's REFERENCES) and its legend (runs.LEGEND's)
 VARIANTS = {
     "gqa_interleaved": (InterleavedGroupedQueryAttention, Reference(
         keys_values=interleaved_keys_values, head_keys=interleaved_head_keys,
@@ -279,9 +275,16 @@ VARIANTS = {
 def variant(request, monkeypatch):
     """One of the variants above, registered under its --attn name for one test: its name."""
     name, (cls, reference, legend) = request.param, VARIANTS[request.param]
-    monkeypatch.setitem(variants.ATTENTION, name, cls)
+    monkeypatch.setitem(model.VARIANTS, name, cls)
+    # the steps and conversions of the variants above that have their own, in decode.py's and convert.py's
+    # tables
+    own = ((LowRankKeyAttention, lrk_step, load_lrk_head_kv_weights),
+           (GroupedLowRankKVAttention, grouped_lrkv_step, load_grouped_lrkv_head_kv_weights))
+    for cls, step, load in own:
+        monkeypatch.setitem(decode.STEPS, cls, step)
+        monkeypatch.setitem(convert.LOAD_HEAD_KV_WEIGHTS, cls, load)
     monkeypatch.setitem(references.REFERENCES, name, reference)
-    monkeypatch.setitem(analyze.LEGEND, name, legend)
+    monkeypatch.setitem(runs.LEGEND, name, legend)
     return name
 
 
@@ -294,7 +297,7 @@ def parameters(test):
 # Every test of test_model.py, test_decode.py and test_convert.py parametrized over every variant
 GENERIC_TESTS = [test for module in (test_model, test_decode, test_convert)
                  for name, test in vars(module).items()
-                 if name.startswith("test_") and parameters(test).get("attn") is variants.ATTENTION]
+                 if name.startswith("test_") and parameters(test).get("attn") is model.VARIANTS]
 
 
 @pytest.mark.parametrize("generic_test", GENERIC_TESTS, ids=lambda test: test.__name__)
@@ -330,7 +333,7 @@ def test_trains_resumes_is_analyzed_and_benched(variant, data_dir, tmp_path):
     bench.main(["--preset=tiny", "--device=cpu", "--check", "--no-compiled_decode",
                 f"--out={tmp_path / 'bench.json'}"])
     result = json.loads((tmp_path / "bench.json").read_text())
-    assert list(result["variants"]) == list(variants.ATTENTION) and variant in result["variants"]
+    assert list(result["variants"]) == list(model.VARIANTS) and variant in result["variants"]
     row = result["variants"][variant]
     assert row["check"]["ok"], row["check"]
     assert [d["cache_pct_mha"] for d in row["decode"]] == [50, 50]  # 2 of 4 KV heads

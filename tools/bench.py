@@ -53,14 +53,13 @@ import torch
 from torch.autograd import DeviceType
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lib.checkpoint import check_writable
-from lib.configurator import ArgumentParser, ConfigError
-from lib.decode import ExactKVCache, FixedKVCache, compiled_step, exact_step
-from lib.hardware import DEVICES, PRECISION_NAMES, USES, peak_flops, pick_device, precision
-from lib.variants import ATTENTION, ModelConfig
-from model import GPT
-from prepare_data import atomic_open
-from train import TrainConfig, configure_optimizers, optimizer_step
+from lib.training.checkpoint import check_writable
+from lib.training.configurator import ArgumentParser, ConfigError
+from lib.attention.decode import ExactKVCache, FixedKVCache, compiled_step, exact_step
+from lib.training.hardware import DEVICES, PRECISION_NAMES, USES, peak_flops, pick_device, precision
+from model import GPT, GPTConfig, VARIANTS
+from lib.training.data import atomic_open
+from lib.training.recipe import TrainConfig, configure_optimizers, optimizer_step
 
 PRESETS = {
     # The paper's 128M model and batch: 16 x 2048 tokens a step. Decoding a batch of 16 makes
@@ -83,7 +82,7 @@ PRESETS = {
 }
 # Every row is relative to the registry's first variant, MHA, as the paper compares everything with
 # it; the JSON keys x_mha and cache_pct_mha say so
-BASELINE = next(iter(ATTENTION))
+BASELINE = next(iter(VARIANTS))
 DECODE_WARMUP = 2  # untimed tokens after each prefill
 DECODE_ROUNDS = 5  # rounds of interleaved decoding (bench_decode)
 # the backends F.scaled_dot_product_attention may pick on a GPU for training (math is its fallback)
@@ -460,9 +459,9 @@ def markdown(result):
 
 def variants(text):
     names = text.split(",")
-    unknown = [name for name in names if name not in ATTENTION]
+    unknown = [name for name in names if name not in VARIANTS]
     if unknown:
-        raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: not one of {', '.join(ATTENTION)}")
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: not one of {', '.join(VARIANTS)}")
     return names
 
 
@@ -495,7 +494,7 @@ def main(argv=None):
     parser.add_argument("--only", choices=("train", "decode", "peaks"),
                         help="measure training, decoding or --peaks' ceilings alone (default: training and "
                              "decoding)")
-    parser.add_argument("--attn", type=variants, default=list(ATTENTION),
+    parser.add_argument("--attn", type=variants, default=list(VARIANTS),
                         help="comma-separated variants, measured in this order after MHA, which every row is "
                              "relative to (default: all)")
     parser.add_argument("--decode_batch", type=positive_ints,
@@ -531,7 +530,7 @@ def main(argv=None):
                      f"{preset['new_tokens']} + {DECODE_WARMUP} tokens after a prompt, so at least "
                      f"{shortest}")
     # the RoPE table has block_size rows, and no weight depends on it
-    block_size = max(ModelConfig(**preset["model"]).block_size, *preset["contexts"])
+    block_size = max(GPTConfig(**preset["model"]).block_size, *preset["contexts"])
     preset["model"] = {**preset["model"], "block_size": block_size}
     compile = device.type == "cuda" if args.compile is None else args.compile
     (dtype, _), (ns_dtype, _), (decode_dtype, _) = policy.values()
@@ -545,7 +544,7 @@ def main(argv=None):
     result = dict(
         preset=args.preset, date=datetime.now(timezone.utc).isoformat(timespec="seconds"), device=name,
         torch=torch.__version__,
-        config={k: v for k, v in asdict(ModelConfig(**preset["model"])).items() if k != "attn"},
+        config={k: v for k, v in asdict(GPTConfig(**preset["model"])).items() if k != "attn"},
         train=dict(batch_size=preset["batch_size"], seq_len=preset["seq_len"], warmup=preset["warmup"],
                    steps=preset["steps"], compile=compile,
                    dtype=PRECISION_NAMES[dtype] + " autocast" * (dtype == torch.bfloat16),
@@ -561,12 +560,12 @@ def main(argv=None):
             log(ceilings(p))
         save(result, args.out)
     if args.check and device.type == "cuda":
-        baseline = ModelConfig(attn=BASELINE, **preset["model"])
+        baseline = GPTConfig(attn=BASELINE, **preset["model"])
         ms = result["mha_sdpa_ms"] = sdpa_backend_ms(baseline, preset, device)
         log(f"{BASELINE}, eager, per SDPA backend: {backend_times(ms)}")
         save(result, args.out)
     for attn in dict.fromkeys((BASELINE, *args.attn)) if args.only != "peaks" else ():
-        config = ModelConfig(attn=attn, **preset["model"])
+        config = GPTConfig(attn=attn, **preset["model"])
         row = result["variants"][attn] = {}
         if args.check:
             row["check"] = check(config, preset, device, decode_dtype)
@@ -594,7 +593,7 @@ def main(argv=None):
             for attn, decode_rows in rows.items():
                 result["variants"][attn]["decode"] = decode_rows
             save(result, args.out)
-        configs = {attn: ModelConfig(attn=attn, **preset["model"]) for attn in result["variants"]}
+        configs = {attn: GPTConfig(attn=attn, **preset["model"]) for attn in result["variants"]}
         decoded = bench_decode(configs, preset, device, decode_dtype, args.compiled_decode, measured,
                                args.random_caches)
         for attn, (rows, uncached) in decoded.items():

@@ -8,7 +8,7 @@
 #      4 minutes for the six (docs/benchmarks.md says how that was estimated), then analyze.py and
 #      sample.py: effective_rank.png, head_correlation.png and rank_during_training.png in figures/;
 #   2. decoding, eager and compiled (the fixed-shape step as CUDA graphs), all nine variants (model.py's
-#      five and lib/rivals.py's GTA, GLA, TPA, MLRA), 2,048 and
+#      five and lib/attention/rivals.py's GTA, GLA, TPA, MLRA), 2,048 and
 #      8,192 tokens (where reading the cache is most of a step: docs/decoding.md's roofline), batch 16,
 #      with the cached-decoding check, after the GPU's ceilings (bf16 matmul FLOP/s, memory bandwidth);
 #   3. the training rows of MHA, LRKV and the four rivals, as far as the time left allows (2026-11-30

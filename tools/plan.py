@@ -60,17 +60,16 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from lib import hardware
+from lib.training import hardware
 
-from lib import muon
+from lib.training import muon
 
-from lib import parallel
+from lib.training import parallel
 
-import train
+from lib.training import recipe
 from tools.bench import variants
-from lib.configurator import ArgumentParser, ConfigError
-from lib.variants import ATTENTION, ModelConfig
-from model import GPT
+from lib.training.configurator import ArgumentParser, ConfigError
+from model import GPT, GPTConfig, VARIANTS
 
 GIB = 2**30
 REPO = Path(__file__).resolve().parents[1]  # the repository, above tools/
@@ -144,7 +143,7 @@ def activation_bytes(config, micro_batch, weight_dtype, autocast, checkpointed, 
 
 @functools.cache  # a plan asks for the same simulation several times, a 6.3B one takes seconds
 def simulated_activation_bytes(config_fields, micro_batch, weight_dtype, autocast, checkpointed, keep_grads):
-    config = ModelConfig(*config_fields)
+    config = GPTConfig(*config_fields)
     with FakeTensorMode():
         with default_dtype(weight_dtype):
             model = GPT(config)
@@ -185,7 +184,7 @@ def newton_schulz_bytes(shape, n, ns_dtype, whole_update):
 @dataclasses.dataclass(frozen=True)
 class Machine:
     """What the plan is for: the run's dtype ("bfloat16", "float32"), Newton-Schulz's dtype and
-    whether AdamW is fused (train.configure_optimizers fuses it on CUDA)."""
+    whether AdamW is fused (recipe.configure_optimizers fuses it on CUDA)."""
     dtype: str
     ns_dtype: torch.dtype
     fused_adamw: bool
@@ -238,7 +237,7 @@ def memory(config, cfg, gpus, micro_batch, fsdp, checkpointed, machine):
                                             keep_grads=True)
     part["peak"] = (part["weights"] + part["optimizer"] + bucket
                     + max(forward_backward, grads + part["step"]))
-    if fsdp:  # every rank draws the whole model in fp32 before it shards it (train.build)
+    if fsdp:  # every rank draws the whole model in fp32 before it shards it (recipe.build)
         part["peak"] = max(part["peak"], 4 * n_params)
     return part
 
@@ -336,7 +335,7 @@ def sizes_table(args, machine):
              f"| size | variant | params | tokens | KV cache, a sequence of T | {heads} |",
              "|---|---|---:|---:|---:|" + "---|" * len(args.gpu_memory_gib)]
     for size, presets in SIZES.items():
-        config, cfg = train.parse_args([str(REPO / p) for p in presets] + args.flags)
+        config, cfg = recipe.parse_args([str(REPO / p) for p in presets] + args.flags)
         for attn in args.attn:
             c = variant_config(config, attn)
             with torch.device("meta"):
@@ -376,10 +375,10 @@ def measured_peak(config, cfg, device, world_size, micro_batch, dtype):
 
     def two_steps():
         torch.manual_seed(cfg.seed)
-        raw_model, _, train_model, optimizers = train.build(config, cfg, device, world_size, dtype, False)
+        raw_model, _, train_model, optimizers = recipe.build(config, cfg, device, world_size, dtype, False)
         for _ in range(2):
-            train.backward(train_model, x, x, micro_batch, autocast, device)
-            train.optimizer_step(raw_model, optimizers, cfg)
+            recipe.backward(train_model, x, x, micro_batch, autocast, device)
+            recipe.optimizer_step(raw_model, optimizers, cfg)
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -396,7 +395,7 @@ def measure(config, cfg, args):
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     device = hardware.pick_device(cfg.device, local_rank)
-    dtype = train.run_dtype(cfg, device)
+    dtype = recipe.run_dtype(cfg, device)
     machine = Machine(dtype, hardware.precision("newton_schulz", device)[0], device.type == "cuda")
     micro = min(cfg.micro_batch_size, cfg.batch_size // world_size)
     if world_size > 1:
@@ -456,7 +455,7 @@ def main(argv=None):
                         help="a GPU's dense bf16 peak (default: an H100's or H200's, PEAK_BF16_FLOPS)")
     parser.add_argument("--mfu", type=positive(float, 1),
                         help="model FLOPs utilisation, 0-1 (default: the H200 record's)")
-    parser.add_argument("--attn", type=variants, default=list(ATTENTION),
+    parser.add_argument("--attn", type=variants, default=list(VARIANTS),
                         help="comma-separated variants (default: all)")
     parser.add_argument("--sizes", action="store_true", help="Table 1's four sizes, a line per variant")
     parser.add_argument("--measure", action="store_true", help="measure two steps here beside the plan")
@@ -465,7 +464,7 @@ def main(argv=None):
         if args.sizes and any(not r.startswith("--") for r in rest):
             raise ConfigError("--sizes plans the four sizes' presets: give no preset")
         args.flags = rest
-        config, cfg = train.parse_args(rest)
+        config, cfg = recipe.parse_args(rest)
         gpus = int(os.environ.get("WORLD_SIZE", 1)) if args.measure else args.gpus
         share = cfg.batch_size // gpus
         if cfg.batch_size % gpus or share % min(cfg.micro_batch_size, share):

@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lib.checkpoint import load_checkpoint
-from lib.configurator import ConfigError
-from model import GPT, GroupedQueryAttention, LowRankKVAttention, MultiHeadLatentAttention, registered
+from lib.training.checkpoint import load_checkpoint
+from lib.training.configurator import ConfigError
+from lib.attention.decode import registered
+from model import GPT, GroupedQueryAttention, LowRankKVAttention, MultiHeadLatentAttention
 
 # train.py --init_from's default calibration (its --calibration_tokens), which analyze.py's
 # rank_energy.png sees the heads through too: 65,536 tokens are 32 of the paper's 2048-token

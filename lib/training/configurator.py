@@ -39,6 +39,14 @@ def seed(text):
     return n
 
 
+def positive_int(text):
+    """An argparse type: an integer of at least 1."""
+    n = int(text)  # not an integer: argparse's "invalid positive_int value"
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n}: must be at least 1")
+    return n
+
+
 def check_fields(where, record, spec, optional=()):
     """record as spec describes it, or a ValueError naming where (a file) and the field. spec maps
     each field to a type (or a tuple of types), to a dict spec of its own fields, or to [spec], a

@@ -28,11 +28,10 @@ from pathlib import Path
 
 import torch
 
-from lib.configurator import ConfigError, check_fields
-from lib.parallel import gathered, shard_like
-from lib.variants import ModelConfig
-from model import GPT
-from prepare_data import atomic_open, write_atomic
+from lib.training.configurator import ConfigError, check_fields
+from lib.training.parallel import gathered, shard_like
+from model import GPT, GPTConfig
+from lib.training.data import atomic_open, write_atomic
 
 
 class WriteError(Exception):
@@ -154,7 +153,7 @@ EVALS = ("val_loss", "val_bpb", "best_val_loss", "best_val_bpb")
 
 
 def checkpoint_dict(model, model_config, cfg, optimizers, step, evals, meta, device):
-    """What ckpt.pt holds: the weights and the ModelConfig they make a model of (model_args), the
+    """What ckpt.pt holds: the weights and the GPTConfig they make a model of (model_args), the
     optimizers' states, the step, the evaluations so far (EVALS), the run's TrainConfig, its data's
     meta.json and the RNG states, so that --resume goes on exactly where the run stopped. Every
     tensor is whole, however the run was split: under FSDP every rank must call this, and only
@@ -275,7 +274,7 @@ def load_checkpoint(path, device="meta", needs=()):
         raise ConfigError(str(e)) from None
     try:
         with torch.device(device):
-            model = GPT(ModelConfig(**ckpt["model_args"]))
+            model = GPT(GPTConfig(**ckpt["model_args"]))
         model.load_state_dict(ckpt["model"], assign=model.wte.weight.is_meta)
     except (TypeError, ValueError, RuntimeError) as e:
         raise bad("model_args and weights do not make a GPT: " + " ".join(str(e).split())) from None

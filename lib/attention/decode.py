@@ -1,22 +1,21 @@
 """
 Decoding fast: the optimised single-token steps of the variants that cache less than their keys
-and values (here LRKV's and MLA's, the rivals' in lib/rivals.py), each beside the plain equation it
+and values (here LRKV's and MLA's, the rivals' in lib/attention/rivals.py), each beside the plain equation it
 equals, and the step on fixed shapes, compiled.
 
 model.py decodes by the plain cached path: KVCache.attend rebuilds every cached position's keys
 and values from the cache (the variant's cached_keys_values) and attends as training does. A new
-token needs less: here a variant's exact single-token step reads the cache as it is. The steps are
-registered by class, explicitly:
+token needs less: here a variant's exact single-token step reads the cache as it is. STEPS, at the
+end of this file, lists every variant's by class, each a function
 
-    @single_token_step(LowRankKVAttention)
     def lrkv_step(attn, q, cached, rope, mask): ...
 
-q (B, 1, H, d_qk) is the new token's normalised, rotated query; cached {name: (B, S, *shape)}
+of q (B, 1, H, d_qk) is the new token's normalised, rotated query; cached {name: (B, S, *shape)}
 every position's cache entries, the new token's included; rope (S, rope_dim) their RoPE rows;
 mask None (all S visible) or (1, S) bool, the positions the token may see. The step returns the
 attention output (B, 1, H, d_v), before W_o, and must equal reference_step, the plain equation,
 which the tests check at every step of a decode. A subclass inherits its parent's step (looked up
-along the MRO); registering None for it gives it the plain cached path instead. A variant with no
+along the MRO); an entry of None gives it the plain cached path instead. A variant with no
 step (MHA, GQA, MQA: their cache holds the keys and values themselves) decodes by the plain path.
 In a CLA group, a later layer's queries run the step of the group's first layer, which wrote the
 entries.
@@ -31,28 +30,20 @@ import functools
 import math
 
 import torch
-import torch.nn as nn
 
-from model import GPT, KVCache, LowRankKVAttention, MultiHeadLatentAttention, registered
-
-STEPS = {}  # variant class -> its exact single-token step, or None for the plain cached path
-REFERENCE_STEPS = {}  # variant class -> its own plain equation, where reference_step's cannot say it
+from lib.attention import rivals
+from model import GPT, KVCache, LowRankKVAttention, MultiHeadLatentAttention, masked_softmax, visible
 
 
-def single_token_step(cls, reference=None):
-    """Register the decorated function as the exact single-token step of cls and its subclasses;
-    reference, the plain equation it equals, for a variant whose heads reference_step cannot express
-    (MLRA's several softmaxes per head, summed)."""
-    def register(step):
-        STEPS[cls] = step
-        if reference is not None:
-            REFERENCE_STEPS[cls] = reference
-        return step
-    return register
+def registered(table, attn):
+    """A table keyed by variant class (STEPS here, convert.py's LOAD_HEAD_KV_WEIGHTS): its entry for
+    attn's class, else for the nearest parent that has one (along the MRO), else None."""
+    return next((table[cls] for cls in type(attn).__mro__ if cls in table), None)
 
 
 def registered_step(attn):
-    """attn's single-token step: its class's, or the nearest parent's; None if none."""
+    """attn's single-token step (STEPS, at the end of this file): its class's, or the nearest
+    parent's; None if none."""
     return registered(STEPS, attn)
 
 
@@ -73,18 +64,9 @@ def reference_step(attn, q, cached, rope, mask):
     return torch.einsum("bgjs,bsgd->bgjd", a, v).reshape(B, 1, H, -1)
 
 
-def masked_softmax(scores, mask, dtype):
-    """softmax over the positions that mask (None or (1, S)) allows, of scores (B, H, S), in fp32: a
-    fixed-shape cache's unwritten positions (where LRKV's and MLA's rho is 0) get -inf."""
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
-
-
 # -----------------------------------------------------------------------------
 # LRKV: eq. 6 made exact under RoPE, and eq. 7
 
-@single_token_step(LowRankKVAttention)
 def lrkv_step(attn, q, cached, rope, mask):
     """The scores by key_scores, the values by attend_values: no cached position's key or value built."""
     scores = key_scores(attn, q, cached["k_shared"], cached["r_k"], cached["rho"], rope)  # (B, H, S)
@@ -178,7 +160,6 @@ def attend_values(attn, a, v_shared, r_v):
 # -----------------------------------------------------------------------------
 # MLA: W_up^K absorbed into the query, W_up^V applied to the attended latent
 
-@single_token_step(MultiHeadLatentAttention)
 def mla_step(attn, q, cached, rope, mask):
     """a_h V_h = (a_h c) W_up,h^V exactly: W_up^V applied once, to the attended latent."""
     y = latent_attention(attn, q, cached["c"], cached["k_rope"], cached["rho"], mask)  # (B, 1, H, d_c)
@@ -220,31 +201,35 @@ def latent_attention(attn, q, c, k_rope, rho, mask):
 # The caches that run the steps, and GPT.stream's steps over them
 
 class ExactKVCache(KVCache):
-    """A KVCache over the buffers of another (one a prefill has filled), from its position on,
-    whose single new token attends through its variant's registered step; a chunk, or a variant
-    without a step, takes the plain cached path."""
+    """A KVCache over the buffers of another, one a prefill has filled, from its position on, whose
+    single new token attends through its variant's registered step; a chunk, or a variant without a
+    step, takes the plain cached path."""
 
     def __init__(self, cache):
-        # every attribute of cache: the same buffers, RoPE rows, and writers and dtypes dicts (the
-        # same objects, which the prefill filled), and a copy of its position, which moves on here
-        vars(self).update(vars(cache))
+        # the same buffers, RoPE rows, writers and dtypes (the objects the prefill filled), and a copy
+        # of its position, which moves on here
+        self.pos, self.max_len, self.rope, self.pending = cache.pos, cache.max_len, cache.rope, {}
+        self.layers, self.writers, self.dtypes = cache.layers, cache.writers, cache.dtypes
 
     def attend(self, attn, q):
-        source = self.writers[attn.kv_layer]  # attn, or in CLA its group's first layer
+        source = self.writers[attn.kv_layer]  # attn, or the layer it shares keys and values with
         step = registered_step(source)
         if step is None or q.size(1) > 1:
             return super().attend(attn, q)
-        return step(source, q, self.read(attn.kv_layer, 1), self.rope[:self.pos + 1], None)
+        entries, positions = self.read(attn.kv_layer, 1)
+        here = positions.new_tensor([self.pos])
+        mask = None if attn.window is None else visible(here, positions, attn.window)
+        return step(source, q, entries, self.rope[positions], mask)
 
 
 class FixedKVCache(ExactKVCache):
     """An ExactKVCache behind shapes that no longer change, for torch.compile: pos is a (1,) tensor,
-    write puts the one new token there, read gives the whole buffers, and the token attends over
-    all max_len positions through its variant's step, or reference_step, those past pos masked
-    (their entries are zeros: LRKV's and MLA's scores there are 0 / 0, which the mask overwrites).
-    The cost of a step no longer depends on its position. pos moves outside the compiled step
-    (compiled_decode, in place, so the compiled graph reads the new value), so advance does nothing;
-    write records no writer or dtype, which the prefill recorded in the dicts this cache shares."""
+    write puts the one new token at its slot, read gives the whole buffers, and the token attends
+    over every slot through its variant's step, or reference_step, with the mask that `visible` makes
+    of the slots' positions (an empty slot holds zeros: LRKV's and MLA's scores there are 0 / 0,
+    which the mask overwrites). The cost of a step no longer depends on its position. pos moves
+    outside the compiled step (compiled_decode, in place, so the compiled graph reads the new value),
+    so advance does nothing; write notes no dtype, which the prefill noted in the dict this shares."""
 
     def __init__(self, cache):
         super().__init__(cache)
@@ -259,19 +244,22 @@ class FixedKVCache(ExactKVCache):
         return self.rope[self.pos]  # (1, rope_dim)
 
     def write(self, attn, entries):
+        slot = self.pos % self.length(attn.layer)
         for name, x in entries.items():
             buf = self.layers[attn.layer][name]
-            buf.index_copy_(1, self.pos, x.to(buf.dtype))
+            buf.index_copy_(1, slot, x.to(buf.dtype))
 
     def read(self, layer, T):
         dtypes = self.dtypes[layer]
-        return {name: buf.to(dtypes[name]) for name, buf in self.layers[layer].items()}
+        entries = {name: buf.to(dtypes[name]) for name, buf in self.layers[layer].items()}
+        return entries, self.slot_positions(layer, self.pos + 1)
 
     def attend(self, attn, q):
-        mask = (torch.arange(self.max_len, device=self.pos.device) <= self.pos)[None]  # (1, max_len)
         source = self.writers[attn.kv_layer]
         step = registered_step(source) or reference_step
-        return step(source, q, self.read(attn.kv_layer, 1), self.rope, mask)
+        entries, positions = self.read(attn.kv_layer, 1)
+        mask = visible(self.pos, positions, attn.window)  # (1, slots)
+        return step(source, q, entries, self.rope[positions.clamp(min=0)], mask)
 
     def advance(self, T):
         pass
@@ -312,3 +300,20 @@ def compiled_decode(model, token, cache):
     cache.pos += 1
     cache.free -= 1
     return logits, cache
+
+
+# -----------------------------------------------------------------------------
+# Every variant's exact single-token step, by class, in one place: the paper's two that cache less
+# than their keys and values (above), and the rivals' (lib/attention/rivals.py, each beside its
+# class). A subclass inherits its parent's step; an entry of None gives a class the plain cached path.
+
+STEPS = {
+    LowRankKVAttention: lrkv_step,
+    MultiHeadLatentAttention: mla_step,
+    rivals.GroupedTiedAttention: rivals.gta_step,
+    rivals.GroupedLatentAttention: rivals.gla_step,
+    rivals.MultiHeadLowRankAttention: rivals.mlra_step,
+    rivals.TensorProductAttention: rivals.tpa_step,
+}
+# A variant's own plain equation, where reference_step's (one softmax per head) cannot say it
+REFERENCE_STEPS = {rivals.MultiHeadLowRankAttention: rivals.mlra_step_reference}

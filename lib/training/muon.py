@@ -7,8 +7,8 @@ orthogonalised together), and split over the ranks of a DDP or FSDP run.
 import torch
 import torch.distributed as dist
 
-from lib.hardware import precision
-from lib.parallel import is_shard
+from lib.training.hardware import precision
+from lib.training.parallel import is_shard
 
 
 class Muon(torch.optim.Optimizer):

@@ -1,0 +1,117 @@
+"""The house's rules, checked on the code itself: imports run one way (scripts use lib/, lib/ uses
+model.py, model.py uses torch alone), with no circle anywhere and no module importing a script; and a
+checkpoint of any variant builds with nanoGPT's idiom, GPT(GPTConfig(**ckpt["model_args"]))."""
+
+import ast
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import torch
+
+import sample
+import train
+from model import GPT, VARIANTS, GPTConfig
+from references import TINY
+from test_model import python_files
+from test_train import data_dir, flags  # noqa: F401 (data_dir is a fixture)
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = {"prepare_data", "train", "analyze", "sample", "eval", "export_hf"}
+
+
+def module_name(path):
+    """The name a file is imported by: tests/ and the root are on the path (pytest.ini)."""
+    parts = path.relative_to(REPO).with_suffix("").parts
+    if parts[0] == "tests":
+        parts = parts[1:]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph():
+    """{module: the repository's modules it imports}, read from every file's import statements with
+    ast, wherever they stand (a function's body included)."""
+    modules = {module_name(path): path for path in python_files(REPO)}
+    graph = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                found |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+        graph[name] = {module for module in found if module in modules and module != name}
+    return graph
+
+
+def cycle(graph):
+    """A list of modules that import each other round in a circle, or None."""
+    state = {}
+
+    def visit(module, path):
+        state[module] = "open"
+        for dep in sorted(graph[module]):
+            if state.get(dep) == "open":
+                return path[path.index(dep):] + [dep]
+            if dep not in state and (found := visit(dep, path + [dep])):
+                return found
+        state[module] = "done"
+        return None
+    return next((found for module in sorted(graph) if module not in state
+                 and (found := visit(module, [module]))), None)
+
+
+def test_imports_run_one_way_with_no_circle():
+    graph = import_graph()
+    assert cycle(graph) is None, " -> ".join(cycle(graph))
+    assert graph["model"] == set()  # model.py imports torch alone
+    for module, deps in graph.items():
+        if module.startswith("lib"):
+            assert not {dep for dep in deps if not dep.startswith("lib") and dep != "model"}, module
+        if not module.startswith("test") and module not in ("conftest", "references"):
+            assert not deps & SCRIPTS, f"{module} imports the script(s) {', '.join(deps & SCRIPTS)}"
+
+
+def test_the_cycle_finder_finds_a_circle():
+    assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_importing_model_loads_nothing_of_lib():
+    code = "import sys, model; print(sorted(m for m in sys.modules if m == 'lib' or m.startswith('lib.')))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_decoding_a_rival_needs_nothing_but_lib_attention_decode():
+    """The steps are listed where decode.py reads them: no other import registers one first."""
+    code = ("import torch; import lib.attention.decode as decode; from model import GPT, GPTConfig\n"
+            "config = GPTConfig(attn='gla', vocab_size=64, block_size=16, n_layer=2, n_head=2, head_dim=16,"
+            " n_embd=32, rope_head_dim=8, gla_latent_dim=32)\n"
+            "model = GPT(config).double()\n"
+            "assert decode.registered_step(model.blocks[0].attn) is not None\n"
+            "torch.manual_seed(0); prompt = torch.randint(0, 64, (1, 4))\n"
+            "fast = model.generate(prompt, 10, temperature=0, step=decode.exact_step)\n"
+            "assert torch.equal(fast, model.generate(prompt, 10, temperature=0, use_cache=False))\n")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+
+
+@pytest.mark.parametrize("cla", [1, 2])
+def test_a_checkpoint_of_any_variant_builds_with_nanogpts_idiom(cla, data_dir, tmp_path):
+    """GPT(GPTConfig(**ckpt["model_args"])) with the checkpoint's weights gives the logits of the
+    model that sample.py loads, for all nine variants."""
+    idx = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    for attn in VARIANTS:
+        out = tmp_path / f"{attn}-{cla}"
+        shape = {f.name: getattr(TINY, f.name) for f in fields(TINY)
+                 if f.name not in ("vocab_size", "attn") and getattr(TINY, f.name) is not None}
+        assert train.main(flags(data_dir=data_dir, out_dir=out, **{**shape, "attn": attn, "cla": cla},
+                                max_steps=1, warmup_steps=1, eval_tokens=64)) == 0
+        ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+        model = GPT(GPTConfig(**ckpt["model_args"]))
+        model.load_state_dict(ckpt["model"])
+        _, sampled = sample.load_checkpoint(out / "ckpt.pt", "cpu")
+        with torch.no_grad():
+            assert torch.equal(model(idx)[0], sampled(idx)[0]), attn
