@@ -376,10 +376,11 @@ REFERENCES = References({
 })
 
 
-def naive_attention(attn, x, config, shared=None):
+def naive_attention(attn, x, config, shared=None, window=None):
     """One layer, one head at a time, softmax written out, keys and values from the paper's formulas:
-    the output (T, d) of x (1, T, d), and the Reference's keys and values, which a CLA group's later
-    layers are given as shared and attend with."""
+    the output (T, d) of x (1, T, d), and the Reference's keys and values, which the layers that
+    share them are given as shared and attend with. Query i sees key j <= i, and with a window W
+    only j > i - W."""
     x = x.double()
     H, T = config.n_head, x.size(1)
     reference = REFERENCES[config.attn]
@@ -402,7 +403,9 @@ def naive_attention(attn, x, config, shared=None):
         for key, value in zip(keys[h], values[h]):
             k = naive_rope(rms(key), positions, rot_dim, config.rope_theta)
             scores = q @ k.t() / math.sqrt(qk_dim)
-            scores = scores.masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))
+            i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+            hidden = (j > i) | (i - j >= window if window is not None else False)
+            scores = scores.masked_fill(hidden, float("-inf"))
             head = head + torch.softmax(scores, -1) @ value
         heads.append(head * (scale or 1))
     return torch.cat(heads, -1) @ attn.W_o.weight.double().t(), keys_values
@@ -412,12 +415,18 @@ def naive_forward(model, idx):
     """The logits (T, vocab) of the tokens idx (T,), float64, every layer through naive_attention:
     x = norm(embedding); per layer x += attention(norm(x)), then x += W_out relu(W_in norm(x))^2;
     logits = lm_head(norm(x)). In each group of config.cla layers the first's keys and values serve
-    all of them (Brandon et al. 2024)."""
-    config = model.config
+    all of them (Brandon et al. 2024); with yoco the middle layer's serve the upper half (YOCO). With
+    a window, the layers that window_pattern's letters (tiled) mark S see their last W positions, but
+    the last layer, which sees all."""
+    config, n = model.config, model.config.n_layer
     x = rms(model.wte.weight.double()[idx])[None]  # (1, T, d)
+    shared = {}
     for layer, block in enumerate(model.blocks):
-        first = layer % config.cla == 0
-        y, keys_values = naive_attention(block.attn, rms(x), config, None if first else keys_values)
+        source = n // 2 if config.yoco and layer >= n // 2 else layer - layer % config.cla
+        local = config.window_pattern[layer % len(config.window_pattern)] == "S" and layer < n - 1
+        y, keys_values = naive_attention(block.attn, rms(x), config, shared.get(source),
+                                         config.window if local else None)
+        shared.setdefault(layer, keys_values)
         x = x + y
         hidden = torch.relu(lin(rms(x), block.mlp.W_in)).square()
         x = x + lin(hidden, block.mlp.W_out)

@@ -1,0 +1,138 @@
+"""Sliding windows and shared keys (--window with --window_pattern, --cla, --yoco) with every variant:
+the full forward against the float64 reference that masks by hand (references.naive_forward), and
+every decoding path against the full forward, for text longer than the window and than the context;
+a local layer's ring of W positions, and kv_cache_bytes by its formula."""
+
+import math
+
+import pytest
+import torch
+
+from lib.attention.decode import ExactKVCache, FixedKVCache, exact_step
+from model import VARIANTS, GPTConfig
+from references import TINY, cropped_greedy, naive_forward, tiny_model, token_by_token
+
+W = 5  # the tests' window: TINY's block_size is 32
+# Each layout, with the layers it makes (n_layer = 4): who owns keys, who reads whose, who is local
+LAYOUTS = {
+    "window": dict(window=W, window_pattern="SL"),  # S L S L: two rings, two full buffers
+    "window+cla2": dict(window=W, window_pattern="S", cla=2),  # S reads S's ring; L reads S: full
+    "yoco": dict(yoco=True),  # layers 2 and 3 read layer 2's
+    "all": dict(window=W, window_pattern="SSL", cla=2, yoco=True),  # 0 S owns a ring, 1 S reads it
+}
+
+
+def model_of(attn, layout, seed=0):
+    return tiny_model(attn, seed, n_layer=4, **LAYOUTS[layout]).double()
+
+
+@pytest.mark.parametrize("attn", VARIANTS)
+def test_the_full_forward_is_the_reference_that_masks_by_hand(attn):
+    idx = torch.randint(0, TINY.vocab_size, (20,), generator=torch.Generator().manual_seed(1))
+    for layout in LAYOUTS:
+        model = model_of(attn, layout)
+        with torch.no_grad():
+            ours = model(idx[None])[0][0]
+        torch.testing.assert_close(ours.double(), naive_forward(model, idx), rtol=1e-6, atol=1e-6, msg=layout)
+
+
+def fixed_steps(model, idx, prefix):
+    """token_by_token through a FixedKVCache, whose position moves outside the step (as compiled_decode
+    moves it)."""
+    cache = model.new_cache(idx.size(0), idx.size(1))
+    model(idx[:, :prefix], cache=cache)
+    cache, logits = FixedKVCache(cache), []
+    for t in range(prefix, idx.size(1)):
+        logits.append(model(idx[:, t:t + 1], cache=cache)[0])
+        cache.pos += 1
+    return torch.cat(logits, dim=1)
+
+
+def in_chunks(model, idx, sizes):
+    cache = model.new_cache(idx.size(0), idx.size(1))
+    chunks, start = [], 0
+    for size in sizes:
+        chunks.append(model(idx[:, start:start + size], cache=cache)[0])
+        start += size
+    return torch.cat(chunks, dim=1)
+
+
+@pytest.mark.parametrize("attn", VARIANTS)
+def test_every_decoding_path_is_the_full_forward(attn):
+    """In float64, to the fp32 logits' rounding: a prompt of 12 tokens (more than W) in one chunk,
+    then token by token through the plain cached path, the exact steps and the fixed-shape step; and
+    the prefill in chunks of 7, 1 and 12."""
+    idx = torch.randint(0, TINY.vocab_size, (2, 20), generator=torch.Generator().manual_seed(2))
+    for layout in LAYOUTS:
+        model = model_of(attn, layout)
+        with torch.no_grad():
+            full = model(idx)[0]
+            paths = {"plain": token_by_token(model, idx, 12, torch.float64),
+                     "exact": token_by_token(model, idx, 12, torch.float64, ExactKVCache),
+                     "fixed": fixed_steps(model, idx, 12)}
+            for name, logits in paths.items():
+                torch.testing.assert_close(logits, full[:, 12:], rtol=1e-6, atol=1e-6, msg=f"{layout}, {name}")
+            torch.testing.assert_close(in_chunks(model, idx, (7, 1, 12)), full, rtol=1e-6, atol=1e-6, msg=layout)
+
+
+@pytest.mark.parametrize("attn", VARIANTS)
+def test_text_that_outgrows_the_context_decodes_as_the_full_forward(attn):
+    prompt = torch.randint(0, TINY.vocab_size, (1, 6), generator=torch.Generator().manual_seed(3))
+    n = TINY.block_size + 10  # the text outgrows the context: the model starts again from its last half
+    for layout in ("window", "all"):
+        model = model_of(attn, layout)
+        expected = cropped_greedy(model, prompt, n)
+        assert torch.equal(model.generate(prompt, n, temperature=0, step=exact_step), expected), layout
+        assert torch.equal(model.generate(prompt, n, temperature=0), expected), layout
+
+
+def test_a_token_more_than_w_positions_back_does_not_reach_a_local_layer():
+    model = model_of("lrkv", "window")
+    assert model.blocks[0].attn.window == W and model.blocks[1].attn.window is None
+    outputs = []
+    hooks = [model.blocks[layer].attn.register_forward_hook(lambda m, args, out: outputs.append(out))
+             for layer in (0, 1)]
+    idx = torch.randint(1, TINY.vocab_size, (1, 16), generator=torch.Generator().manual_seed(4))
+    changed = idx.clone()
+    changed[0, 0] = 0
+    with torch.no_grad():
+        model(idx), model(changed)
+    for hook in hooks:
+        hook.remove()
+    local, full, local_changed, full_changed = outputs
+    assert torch.equal(local[:, W:], local_changed[:, W:])  # position W and later: token 0 is out of sight
+    assert not torch.equal(local[:, W - 1], local_changed[:, W - 1])  # position W - 1 still sees it
+    assert not torch.equal(full[:, -1], full_changed[:, -1])  # an L layer sees it everywhere
+
+
+def elements(model, layer):
+    return sum(math.prod(shape) for shape in model.blocks[layer].attn.cache_shapes().values())
+
+
+@pytest.mark.parametrize("attn", VARIANTS)
+def test_a_local_layer_keeps_a_ring_of_w_positions_and_the_bytes_follow_the_formula(attn):
+    """kv_cache_bytes(B, S) = B * bytes * sum over the owners of elements * min(S, span), the span
+    max_len where a layer reading the owner sees all positions, else the widest window among them."""
+    for layout, spans in (("window", {0: W, 1: None, 2: W, 3: None}), ("window+cla2", {0: W, 2: None}),
+                          ("yoco", {0: None, 1: None, 2: None}), ("all", {0: W, 2: None})):
+        model = model_of(attn, layout).float()
+        cache = model.new_cache(2, 30, device="meta")
+        assert [layer for layer, held in enumerate(cache.layers) if held] == list(spans)
+        for layer, span in spans.items():
+            assert {buf.size(1) for buf in cache.layers[layer].values()} == {span or 30}
+        for S in (3, W, 17, 32):
+            expected = 2 * 4 * sum(elements(model, layer) * min(S, span or S) for layer, span in spans.items())
+            assert model.kv_cache_bytes(2, S) == expected, (layout, S)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(window=0), "--window=0: must be from 1 to block_size = 2048"),
+    (dict(window=4096), "--window=4096: must be from 1 to block_size = 2048"),
+    (dict(window=64, window_pattern="SSXL"), "--window_pattern='SSXL': must be letters S"),
+    (dict(window=64, window_pattern=""), "--window_pattern='': must be letters S"),
+    (dict(yoco=True, n_layer=3), "--n_layer=3: must be even with --yoco"),
+])
+def test_bad_windows_and_sharing_are_one_line(overrides, message):
+    with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace("[", r"\[")) as error:
+        GPTConfig(**overrides)
+    assert "\n" not in str(error.value)
