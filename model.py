@@ -154,15 +154,14 @@ class Attention(nn.Module):
         self.W_o = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=False)
 
     def forward(self, x, rope, kvs):
-        """Training: the tokens x (B, T, d) at positions 0..T-1 (rope: their rows) attend. kvs maps a
-        layer to its keys and values: this layer adds its own, or reads those of its kv_layer."""
+        """Training: x (B, T, d) at positions 0..T-1. kvs maps a layer to its keys and values: this
+        layer adds its own, or reads those of its kv_layer."""
         q = self.queries(x, rope)  # (B, T, H, d_qk)
         if self.owns_kv:
             kvs[self.layer] = self.keys_values(x, rope)
-        k, v = kvs[self.kv_layer]
-        T = x.size(1)
-        mask = None if self.window is None else visible(torch.arange(T), torch.arange(T), self.window)
-        return self.W_o(self.attend(q, k, v, mask).flatten(2))
+        positions = torch.arange(x.size(1))
+        mask = None if self.window is None else visible(positions, positions, self.window)
+        return self.W_o(self.attend(q, *kvs[self.kv_layer], mask).flatten(2))
 
     def queries(self, x, rope):
         B, T, _ = x.shape
@@ -211,7 +210,7 @@ class Attention(nn.Module):
 
     def cache_shapes(self):
         """{name: shape}: what one token leaves in the cache, by entry."""
-        raise NotImplementedError(f"{type(self).__name__} defines no cache_shapes()")
+        raise NotImplementedError
 
     def cache_entries(self, x, rope):
         """The new tokens' entries {name: (B, T, *shape)}: by default their keys and values themselves."""
@@ -575,58 +574,6 @@ class GPT(nn.Module):
         """The plain cached step: the logits (B, vocab) of token (B, 1) after the cache's prefix."""
         return self(token, cache=cache)[0][:, -1]
 
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, step=None,
-                 vocab_size=None):
-        """idx (B, T) continued by max_new_tokens sampled tokens: (B, T + max_new_tokens)."""
-        new = self.stream(idx, max_new_tokens, temperature, top_k, use_cache, step, vocab_size)
-        return torch.cat([idx, *new], dim=1)
-
-    @torch.no_grad()
-    def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, step=None,
-               vocab_size=None):
-        """Yield the max_new_tokens tokens (B, 1) that continue idx (B, T), as they are drawn
-        (temperature 0: greedy; vocab_size: only ids below it). With the cache, each token after the
-        prefill goes through step(model, token, cache) -> (logits, cache), by default last_logits
-        (lib/attention/decode.py's steps may hand back another cache over the same buffers)."""
-        if step is not None and not use_cache:
-            raise ValueError("a step feeds the KV cache: it needs use_cache=True")
-        L = self.config.block_size
-        # The model sees at most its last L tokens. When the text outgrows them, it starts again from
-        # the last `keep` of them, prefilled into a new cache: keeping half costs about one token's
-        # prefill a token, and every token sees at least half a context.
-        keep = L - L // 2
-        start = max(0, idx.size(1) - L)  # where the context begins in idx
-        max_len = min(L, idx.size(1) + max_new_tokens)  # the cache's: the longest the context gets
-        device = idx.device.type
-        autocast = torch.is_autocast_enabled(device)
-        dtype = torch.get_autocast_dtype(device) if autocast else self.lm_head.weight.dtype
-        cache = None
-        for _ in range(max_new_tokens):
-            if idx.size(1) - start > L:
-                start, cache = idx.size(1) - keep, None
-            if cache is None:  # the whole context: the prompt, a new start, or any step without the cache
-                cache = self.new_cache(idx.size(0), max_len, dtype) if use_cache else None
-                logits = self(idx[:, start:], cache=cache)[0][:, -1]
-            elif step is None:
-                logits = self.last_logits(idx[:, -1:], cache)
-            else:
-                logits, cache = step(self, idx[:, -1:], cache)
-            logits = logits[:, :vocab_size]
-            if temperature == 0:
-                next_token = logits.argmax(dim=-1, keepdim=True)
-            else:
-                # from the largest logit down, in fp32: a tiny temperature sends the others to -inf
-                # (greedy), not the logits to inf and softmax to nan
-                logits = logits.float() - logits.float().amax(-1, keepdim=True)
-                logits = logits / max(temperature, torch.finfo(torch.float32).tiny)
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                next_token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
-            idx = torch.cat((idx, next_token), dim=1)
-            yield next_token
-
 
 def masked_softmax(scores, mask, dtype):
     """softmax of scores (B, H, S) over the positions that mask (None: all, or (1, S) bool) allows, in
@@ -637,36 +584,32 @@ def masked_softmax(scores, mask, dtype):
 
 
 class KVCache:
-    """Decoding's memory, one for the whole model, and one position pos: every layer holds the
-    entries of positions 0..pos-1 that any layer reading it can still see. A layer that owns its keys
-    keeps a buffer (B, length, *shape) per entry of its cache_shapes, length the span of its readers:
-    max_len where one of them sees every position, else the widest of their windows W, the buffer
-    then a ring whose slot p % W holds position p. A forward of T tokens hands each owner's entries
-    to write, each layer attends over the entries of its kv_layer with its own window (attend), and
-    advance moves pos on. rope: the RoPE rows of positions 0..max_len-1."""
+    """Decoding's memory, one for the whole model, at one position pos: the entries of positions
+    0..pos-1 that some layer can still see. A layer that owns its keys keeps a buffer (B, length,
+    *shape) for each entry of its cache_shapes, length the widest span of the layers reading it:
+    max_len where one of them sees every position, else the widest window W, and the buffer is a ring
+    whose slot p % W holds position p. A forward of T tokens writes each owner's entries, each layer
+    attends over its kv_layer's entries with its own window, and advance moves pos on. rope: the RoPE
+    rows of positions 0..max_len-1."""
 
     def __init__(self, attns, batch_size, max_len, dtype, device, rope):
         self.pos, self.max_len, self.rope = 0, max_len, rope
-        # writers[layer]: the attention that owns the layer's entries; its weights turn them back
-        # into keys and values (cached_keys_values), for its own queries and for its sharers'
+        # writers[layer]: the attention that owns the layer's entries, whose weights turn them back
+        # into keys and values (cached_keys_values) for every layer that reads them
         self.writers = {attn.layer: attn for attn in attns if attn.owns_kv}
-        spans = {layer: max(max_len if a.window is None else min(a.window, max_len)
-                            for a in attns if a.kv_layer == layer) for layer in self.writers}
-        self.layers = [{name: torch.zeros(batch_size, spans[attn.layer], *shape, dtype=dtype, device=device)
-                        for name, shape in attn.cache_shapes().items()} if attn.owns_kv else {}
-                       for attn in attns]
+        span = {layer: max(min(a.window or max_len, max_len) for a in attns if a.kv_layer == layer)
+                for layer in self.writers}
+        self.layers = [{name: torch.zeros(batch_size, span[a.layer], *shape, dtype=dtype, device=device)
+                        for name, shape in a.cache_shapes().items()} if a.owns_kv else {} for a in attns]
         # dtypes[layer]: {name: the dtype its entries were computed in}, noted by write. A buffer may
         # hold another dtype (bf16 under fp32 weights, say); read casts back, so entries are rounded
         # once, when stored, and the math after them runs as it does without a cache.
-        self.dtypes = {}
-        # pending[layer]: a chunk's entries kept aside until advance (write says when)
-        self.pending = {}
+        self.dtypes, self.pending = {}, {}  # pending: see write
 
     def buffers(self):
         return [buf for layer in self.layers for buf in layer.values()]
 
     def length(self, layer):
-        """How many positions the layer's buffers hold: max_len, or a ring's window."""
         return next(iter(self.layers[layer].values())).size(1)
 
     def next_rope(self, T):
@@ -676,56 +619,55 @@ class KVCache:
         return self.rope[self.pos:self.pos + T]
 
     def write(self, attn, entries):
-        """Store attn's new entries {name: (B, T, *shape)} at the slots of positions pos..pos+T-1. On a
-        ring, a chunk of T > 1 tokens would overwrite positions its own first queries still see: its
-        entries wait in pending, beside the ring's, until advance stores them."""
+        """Store attn's new entries {name: (B, T, *shape)}, of positions pos..pos+T-1. On a ring, a
+        chunk of T > 1 tokens would overwrite positions its own first queries still see: it waits in
+        pending, read beside the ring, until advance stores it."""
         layer, T = attn.layer, next(iter(entries.values())).size(1)
         self.dtypes[layer] = {name: x.dtype for name, x in entries.items()}
         if T > 1 and self.pos + T > self.length(layer):
             self.pending[layer] = entries
         else:
-            self.store(layer, entries, self.pos)
+            self.store(layer, entries)
 
-    def store(self, layer, entries, start):
-        """Put entries of positions start, start + 1, ... into the layer's slots, the last `length`."""
-        length = self.length(layer)
-        slots = torch.arange(start, start + next(iter(entries.values())).size(1)) % length
+    def store(self, layer, entries):
+        """Put entries of positions pos, pos + 1, ... into their slots, the last `length` of them."""
+        T, length = next(iter(entries.values())).size(1), self.length(layer)
+        slots = torch.arange(self.pos, self.pos + T)[-length:] % length
         for name, x in entries.items():
-            self.layers[layer][name][:, slots[-length:]] = x[:, -length:].to(self.layers[layer][name].dtype)
+            buf = self.layers[layer][name]
+            buf[:, slots] = x[:, -length:].to(buf.dtype)
 
     def slot_positions(self, layer, pos):
-        """The position each slot of the layer holds once positions 0..pos-1 are written (the latest p
-        with p % length = slot), negative for a slot not written yet: (length,)."""
+        """(length,): the position each slot holds once 0..pos-1 are written (the latest p with
+        p % length = slot), negative for a slot not written yet."""
         slots = torch.arange(self.length(layer), device=self.rope.device)
         return pos - 1 - (pos - 1 - slots) % self.length(layer)
 
     def read(self, layer, T):
-        """The entries {name: (B, S, *shape)} that the layer holds through position pos + T - 1 and
-        their positions (S,): the written slots, then any pending chunk."""
-        held = min(self.pos + (T if layer not in self.pending else 0), self.length(layer))
+        """The layer's entries {name: (B, S, *shape)} through position pos + T - 1, and their positions
+        (S,): the slots written, then any pending chunk."""
+        ahead = 0 if layer in self.pending else T  # positions already in the slots
+        held = min(self.pos + ahead, self.length(layer))
         dtypes = self.dtypes[layer]
         entries = {name: buf[:, :held].to(dtypes[name]) for name, buf in self.layers[layer].items()}
-        positions = self.slot_positions(layer, self.pos + T)[:held]
+        positions = self.slot_positions(layer, self.pos + ahead)[:held]
         if layer in self.pending:
-            positions = torch.cat((self.slot_positions(layer, self.pos)[:held],
-                                   torch.arange(self.pos, self.pos + T, device=positions.device)))
-            entries = {name: torch.cat((x, self.pending[layer][name]), dim=1) for name, x in entries.items()}
+            entries = {name: torch.cat((x, self.pending[layer][name]), 1) for name, x in entries.items()}
+            positions = torch.cat((positions, torch.arange(self.pos, self.pos + T, device=positions.device)))
         return entries, positions
 
     def attend(self, attn, q):
         """The plain cached path: attn's new queries q (B, T, H, d_qk) attend over the keys and values
-        that the writer of its kv_layer rebuilds from its entries, where `visible` allows."""
-        T, source = q.size(1), self.writers[attn.kv_layer]
-        entries, positions = self.read(attn.kv_layer, T)
-        k, v = source.cached_keys_values(self.rope[positions], **entries)
-        mask = visible(torch.arange(self.pos, self.pos + T, device=positions.device), positions, attn.window)
-        return attn.attend(q, k, v, mask)
+        that the writer of its kv_layer rebuilds from the entries, where `visible` allows."""
+        entries, positions = self.read(attn.kv_layer, q.size(1))
+        k, v = self.writers[attn.kv_layer].cached_keys_values(self.rope[positions], **entries)
+        here = torch.arange(self.pos, self.pos + q.size(1), device=positions.device)
+        return attn.attend(q, k, v, visible(here, positions, attn.window))
 
     def advance(self, T):
         for layer, entries in self.pending.items():
-            self.store(layer, entries, self.pos)
-        self.pending = {}
-        self.pos += T
+            self.store(layer, entries)
+        self.pos, self.pending = self.pos + T, {}
 
     def repeat(self, n):
         """A cache of n copies of each sequence, in a row, at the same position: one prompt, prefilled

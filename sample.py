@@ -8,7 +8,7 @@ Sample text from a checkpoint written by train.py, printing each token as it is 
 The checkpoint holds its data's tokenizer, which encodes the prompt and decodes the samples. A
 sample ends after max_new_tokens or at the end-of-text token. The model sees at most its
 block_size last tokens: a longer prompt is cropped to them, as nanoGPT's sample.py crops it, and
-a sample that grows past block_size goes on from its most recent half (GPT.stream). The last
+a sample that grows past block_size goes on from its most recent half (decode.stream). The last
 line gives the decoding speed and the KV cache each sample allocates (model.py's kv_cache_bytes),
 block_size tokens at most.
 """
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from lib.attention.decode import compiled_decode, exact_step
+from lib.attention.decode import compiled_decode, exact_step, stream
 from lib.training.data import load_tokenizer
 from lib.training.checkpoint import load_checkpoint
 from lib.training.configurator import ArgumentParser, ConfigError, positive_int, seed
@@ -79,7 +79,7 @@ def main(argv=None):
     parser.add_argument("--num_samples", type=positive_int, default=1)
     parser.add_argument("--max_new_tokens", type=positive_int, default=200,
                         help="as many as wanted: past the model's block_size the context goes on from its "
-                             "most recent half (GPT.stream)")
+                             "most recent half (decode.stream)")
     parser.add_argument("--temperature", type=temperature, default=0.8,
                         help="0: greedy; one so small that only the likeliest token is left is greedy too")
     parser.add_argument("--top_k", type=top_k, default=200,
@@ -122,7 +122,7 @@ def main(argv=None):
         text = codecs.getincrementaldecoder("utf-8")(errors="replace")
         print(text.decode(tok.decode_bytes(prompt)), end="", flush=True)
         step = None if args.no_cache else compiled_decode if args.compile else exact_step
-        for token in model.stream(idx, args.max_new_tokens, args.temperature, args.top_k, not args.no_cache,
+        for token in stream(model, idx, args.max_new_tokens, args.temperature, args.top_k, not args.no_cache,
                                   step, tok.vocab_size):
             drawn += 1
             if token.item() == tok.eot_id:
@@ -130,7 +130,7 @@ def main(argv=None):
             print(text.decode(tok.decode_bytes(token[0].tolist())), end="", flush=True)
         print(text.decode(b"", final=True) + "\n---------------")
     seconds = time.perf_counter() - t0
-    cache_len = min(model.config.block_size, len(prompt) + args.max_new_tokens)  # what GPT.stream allocates
+    cache_len = min(model.config.block_size, len(prompt) + args.max_new_tokens)  # decode.stream's cache
     cache_bytes = model.kv_cache_bytes(1, cache_len, dtype)
     cache = ("no KV cache (--no_cache)" if args.no_cache else
              f"KV cache {size(cache_bytes)} ({dtype_name}, 1 x {cache_len} tokens)")

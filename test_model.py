@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lib.attention import diversity
+from lib.attention.decode import generate
 from model import GPT, GPTConfig, VARIANTS, norm, rms as cached_rms
 from references import (MIB, REFERENCES, TINY, Reference, cropped_greedy, naive_forward, small_key_model,
                         tiny_model, token_by_token)
@@ -209,12 +210,12 @@ def test_single_token_steps_match_a_chunk_over_64_positions(attn):
 def test_greedy_generation_is_the_same_with_and_without_cache(attn):
     model = tiny_model(attn)
     prompt = torch.randint(0, TINY.vocab_size, (2, 5))
-    cached = model.generate(prompt, 12, temperature=0)
+    cached = generate(model, prompt, 12, temperature=0)
     assert cached.shape == (2, 17) and torch.equal(cached[:, :5], prompt)
-    assert torch.equal(cached, model.generate(prompt, 12, temperature=0, use_cache=False))
-    sampled = model.generate(prompt, 12, temperature=0.8, top_k=5)
+    assert torch.equal(cached, generate(model, prompt, 12, temperature=0, use_cache=False))
+    sampled = generate(model, prompt, 12, temperature=0.8, top_k=5)
     assert sampled.shape == (2, 17) and sampled.max() < TINY.vocab_size
-    top_1 = model.generate(prompt, 12, temperature=1.0, top_k=1)
+    top_1 = generate(model, prompt, 12, temperature=1.0, top_k=1)
     assert torch.equal(top_1, cached)  # top-1 sampling is greedy
 
 
@@ -222,8 +223,8 @@ def test_generation_draws_no_id_past_the_tokenizers_vocabulary():
     """A vocabulary padded for fast matmuls (GPT-2's 50257 to 50304) has ids no tokenizer decodes."""
     model = tiny_model("mha")
     prompt = torch.randint(0, TINY.vocab_size, (4, 3))
-    assert model.generate(prompt, 20, temperature=5.0, vocab_size=7)[:, 3:].max() < 7
-    assert model.generate(prompt, 20, temperature=0, vocab_size=7)[:, 3:].max() < 7
+    assert generate(model, prompt, 20, temperature=5.0, vocab_size=7)[:, 3:].max() < 7
+    assert generate(model, prompt, 20, temperature=0, vocab_size=7)[:, 3:].max() < 7
 
 
 @pytest.mark.parametrize("attn", VARIANTS)
@@ -238,11 +239,11 @@ def test_generation_goes_on_past_the_context_on_caches_of_block_size(attn, monke
     L = TINY.block_size
     prompt = torch.randint(0, TINY.vocab_size, (2, 5))
     expected = cropped_greedy(model, prompt, 2 * L + 20)
-    assert torch.equal(model.generate(prompt, 2 * L + 20, temperature=0), expected)
+    assert torch.equal(generate(model, prompt, 2 * L + 20, temperature=0), expected)
     assert lengths == [L] * 5  # the prompt's, and new starts at 33, 50, 67 and 84 tokens
-    assert torch.equal(model.generate(prompt, 2 * L + 20, temperature=0, use_cache=False), expected)
+    assert torch.equal(generate(model, prompt, 2 * L + 20, temperature=0, use_cache=False), expected)
     long_prompt = torch.randint(0, TINY.vocab_size, (2, L + 7))  # cropped to its last L tokens
-    assert torch.equal(model.generate(long_prompt, 9, temperature=0), cropped_greedy(model, long_prompt, 9))
+    assert torch.equal(generate(model, long_prompt, 9, temperature=0), cropped_greedy(model, long_prompt, 9))
 
 
 def test_what_exceeds_block_size_is_refused():
@@ -283,7 +284,7 @@ def test_generation_allocates_exactly_the_predicted_cache(attn, monkeypatch):
     monkeypatch.setattr(model, "new_cache",
                         lambda *a, **k: allocated.append(new_cache(*a, **k)) or allocated[-1])
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        model.generate(torch.zeros(3, 4, dtype=torch.long), 6)
+        generate(model, torch.zeros(3, 4, dtype=torch.long), 6)
     buffers = allocated[0].buffers()
     assert all(b.dtype == torch.bfloat16 and b.shape[:2] == (3, 10) for b in buffers)
     assert sum(b.numel() * b.element_size() for b in buffers) == model.kv_cache_bytes(3, 10, torch.bfloat16)

@@ -8,7 +8,8 @@ import torch
 
 from lib.attention import decode
 
-from lib.attention.decode import ExactKVCache, FixedKVCache, compiled_decode, compiled_step, exact_step
+from lib.attention.decode import (ExactKVCache, FixedKVCache, compiled_decode, compiled_step, exact_step,
+                                  generate)
 from model import GPT, LowRankKVAttention, VARIANTS
 from references import REFERENCES, TINY, cropped_greedy, small_key_model, tiny_model, token_by_token
 
@@ -114,10 +115,10 @@ def test_greedy_generation_through_exact_steps_is_the_uncached_argmax_loop(attn)
     prompt = torch.randint(0, TINY.vocab_size, (2, 5))
     n = 2 * TINY.block_size + 20
     expected = cropped_greedy(model, prompt, n)
-    assert torch.equal(model.generate(prompt, n, temperature=0, step=exact_step), expected)
+    assert torch.equal(generate(model, prompt, n, temperature=0, step=exact_step), expected)
     shared = tiny_model(attn, cla=2).double()  # CLA: the second layer reads the first's cache
     expected = cropped_greedy(shared, prompt, n)
-    assert torch.equal(shared.generate(prompt, n, temperature=0, step=exact_step), expected)
+    assert torch.equal(generate(shared, prompt, n, temperature=0, step=exact_step), expected)
 
 
 def test_a_subclass_inherits_its_parents_step_unless_it_registers_its_own(monkeypatch):
@@ -185,8 +186,8 @@ def test_compiled_generation_is_eager_generation(attn):
     n = 2 * TINY.block_size + 20
     torch._dynamo.reset()
     with torch._dynamo.config.patch(error_on_recompile=True):
-        compiled = model.generate(prompt, n, temperature=0, step=compiled_decode)
-    assert torch.equal(compiled, model.generate(prompt, n, temperature=0))
+        compiled = generate(model, prompt, n, temperature=0, step=compiled_decode)
+    assert torch.equal(compiled, generate(model, prompt, n, temperature=0))
     model = model.float()
     idx = torch.randint(0, TINY.vocab_size, (2, 24))
     with torch.no_grad():

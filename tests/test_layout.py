@@ -93,8 +93,8 @@ def test_decoding_a_rival_needs_nothing_but_lib_attention_decode():
             "model = GPT(config).double()\n"
             "assert decode.registered_step(model.blocks[0].attn) is not None\n"
             "torch.manual_seed(0); prompt = torch.randint(0, 64, (1, 4))\n"
-            "fast = model.generate(prompt, 10, temperature=0, step=decode.exact_step)\n"
-            "assert torch.equal(fast, model.generate(prompt, 10, temperature=0, use_cache=False))\n")
+            "fast = decode.generate(model, prompt, 10, temperature=0, step=decode.exact_step)\n"
+            "assert torch.equal(fast, decode.generate(model, prompt, 10, temperature=0, use_cache=False))\n")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
 
 

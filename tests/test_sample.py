@@ -1,6 +1,6 @@
 """sample.py on a tiny LRKV checkpoint that train.py writes: a greedy sample is generate()'s, with
 the cache and without; a seed reproduces a sample and draws what generate() draws; the flags reach
-GPT.stream; end-of-text ends a sample; a character split over byte tokens prints whole as soon as
+decode.stream; end-of-text ends a sample; a character split over byte tokens prints whole as soon as
 it is; the last line reports the speed and kv_cache_bytes; bad input is one line and exit code 2."""
 
 import os
@@ -19,8 +19,7 @@ from lib.training import hardware
 from lib.training.data import get_tokenizer
 import sample
 import train
-from lib.attention.decode import compiled_decode, exact_step
-from model import GPT
+from lib.attention.decode import compiled_decode, exact_step, generate
 from test_train import data_dir, flags, flip_a_bit  # noqa: F401 (data_dir is a fixture)
 
 REPO = Path(__file__).resolve().parents[1]  # the repository, above tests/
@@ -66,7 +65,7 @@ def reference(model, prompt, max_new_tokens=NEW, **kwargs):
     """What sample.py prints of one sample, from generate(): the text up to the end-of-text that
     ends the document, and the tokens drawn up to it, it included."""
     ids = [BYTES.eot_id, *BYTES.encode_batch([prompt])[0].tolist()]
-    new = model.generate(torch.tensor([ids]), max_new_tokens, **kwargs)[0, len(ids):].tolist()
+    new = generate(model, torch.tensor([ids]), max_new_tokens, **kwargs)[0, len(ids):].tolist()
     drawn = new.index(BYTES.eot_id) + 1 if BYTES.eot_id in new else max_new_tokens
     return BYTES.decode(ids + new[:drawn]), drawn
 
@@ -93,18 +92,18 @@ def test_seed_reproduces_a_sample_and_another_seed_changes_it(capsys, ckpt, mode
 
 
 def fake_stream(monkeypatch, tokens, before_each=lambda: None):
-    """GPT.stream drawing the given tokens, calling before_each before each; the tokens drawn and
-    the arguments of each call."""
+    """decode.stream, as sample.py calls it, drawing the given tokens, calling before_each before
+    each; the tokens drawn and the arguments of each call."""
     drawn, calls = [], []
 
-    def stream(self, idx, max_new_tokens, temperature, top_k, use_cache, step, vocab_size):
+    def stream(model, idx, max_new_tokens, temperature, top_k, use_cache, step, vocab_size):
         assert vocab_size == BYTES.vocab_size
         calls.append((idx.tolist(), max_new_tokens, temperature, top_k, use_cache, step))
         for token in tokens:
             before_each()
             drawn.append(token)
             yield torch.tensor([[token]])
-    monkeypatch.setattr(GPT, "stream", stream)
+    monkeypatch.setattr(sample, "stream", stream)
     return drawn, calls
 
 

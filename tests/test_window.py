@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from lib.attention.decode import ExactKVCache, FixedKVCache, exact_step
+from lib.attention.decode import ExactKVCache, FixedKVCache, exact_step, generate
 from model import VARIANTS, GPTConfig
 from references import TINY, cropped_greedy, naive_forward, tiny_model, token_by_token
 
@@ -71,8 +71,9 @@ def test_every_decoding_path_is_the_full_forward(attn):
                      "exact": token_by_token(model, idx, 12, torch.float64, ExactKVCache),
                      "fixed": fixed_steps(model, idx, 12)}
             for name, logits in paths.items():
-                torch.testing.assert_close(logits, full[:, 12:], rtol=1e-6, atol=1e-6, msg=f"{layout}, {name}")
-            torch.testing.assert_close(in_chunks(model, idx, (7, 1, 12)), full, rtol=1e-6, atol=1e-6, msg=layout)
+                torch.testing.assert_close(logits, full[:, 12:], rtol=1e-6, atol=1e-6, msg=f"{layout} {name}")
+            chunked = in_chunks(model, idx, (7, 1, 12))
+            torch.testing.assert_close(chunked, full, rtol=1e-6, atol=1e-6, msg=layout)
 
 
 @pytest.mark.parametrize("attn", VARIANTS)
@@ -82,8 +83,8 @@ def test_text_that_outgrows_the_context_decodes_as_the_full_forward(attn):
     for layout in ("window", "all"):
         model = model_of(attn, layout)
         expected = cropped_greedy(model, prompt, n)
-        assert torch.equal(model.generate(prompt, n, temperature=0, step=exact_step), expected), layout
-        assert torch.equal(model.generate(prompt, n, temperature=0), expected), layout
+        assert torch.equal(generate(model, prompt, n, temperature=0, step=exact_step), expected), layout
+        assert torch.equal(generate(model, prompt, n, temperature=0), expected), layout
 
 
 def test_a_token_more_than_w_positions_back_does_not_reach_a_local_layer():
@@ -121,7 +122,8 @@ def test_a_local_layer_keeps_a_ring_of_w_positions_and_the_bytes_follow_the_form
         for layer, span in spans.items():
             assert {buf.size(1) for buf in cache.layers[layer].values()} == {span or 30}
         for S in (3, W, 17, 32):
-            expected = 2 * 4 * sum(elements(model, layer) * min(S, span or S) for layer, span in spans.items())
+            per_position = {layer: 2 * 4 * elements(model, layer) for layer in spans}  # B = 2, fp32
+            expected = sum(per_position[layer] * min(S, span or S) for layer, span in spans.items())
             assert model.kv_cache_bytes(2, S) == expected, (layout, S)
 
 

@@ -55,7 +55,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lib.training.checkpoint import check_writable
 from lib.training.configurator import ArgumentParser, ConfigError
-from lib.attention.decode import ExactKVCache, FixedKVCache, compiled_step, exact_step
+from lib.attention.decode import ExactKVCache, FixedKVCache, compiled_step, exact_step, generate
 from lib.training.hardware import DEVICES, PRECISION_NAMES, USES, peak_flops, pick_device, precision
 from model import GPT, GPTConfig, VARIANTS
 from lib.training.data import atomic_open
@@ -293,7 +293,7 @@ def bench_decode(configs, preset, device, dtype, compiled, measured=lambda rows:
         for use_cache, new in ((True, 1), (True, n), (False, n)):
             t0 = clock(device)
             step = exact_step if use_cache else None
-            model.generate(prompt, new, temperature=0, use_cache=use_cache, step=step)
+            generate(model, prompt, new, temperature=0, use_cache=use_cache, step=step)
             seconds[use_cache, new] = clock(device) - t0
         cached, uncached = 1000 * seconds[True, n] / n, 1000 * seconds[False, n] / n
         step = 1000 * (seconds[True, n] - seconds[True, 1]) / (n - 1)

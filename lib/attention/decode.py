@@ -1,7 +1,8 @@
 """
-Decoding fast: the optimised single-token steps of the variants that cache less than their keys
-and values (here LRKV's and MLA's, the rivals' in lib/attention/rivals.py), each beside the plain equation it
-equals, and the step on fixed shapes, compiled.
+Decoding: the sampling loop (generate, stream), and decoding fast: the optimised single-token steps
+of the variants that cache less than their keys and values (here LRKV's and MLA's, the rivals' in
+lib/attention/rivals.py), each beside the plain equation it equals, and the step on fixed shapes,
+compiled.
 
 model.py decodes by the plain cached path: KVCache.attend rebuilds every cached position's keys
 and values from the cache (the variant's cached_keys_values) and attends as training does. A new
@@ -20,7 +21,7 @@ step (MHA, GQA, MQA: their cache holds the keys and values themselves) decodes b
 In a CLA group, a later layer's queries run the step of the group's first layer, which wrote the
 entries.
 
-GPT.stream runs the plain path unless given a step; generate(..., step=exact_step) runs each layer
+stream runs the plain path unless given a step; generate(model, ..., step=exact_step) runs each layer
 through its registered step, if any (sample.py and bench.py by default), and step=compiled_decode
 the same on a fixed-shape cache under torch.compile (sample.py --compile, bench.py's compiled
 column), where a variant with no step runs reference_step.
@@ -30,10 +31,72 @@ import functools
 import math
 
 import torch
+import torch.nn.functional as F
 
 from lib.attention import rivals
 from model import GPT, KVCache, LowRankKVAttention, MultiHeadLatentAttention, masked_softmax, visible
 
+
+# -----------------------------------------------------------------------------
+# The sampling loop
+
+@torch.no_grad()
+def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, step=None,
+             vocab_size=None):
+    """idx (B, T) continued by max_new_tokens sampled tokens: (B, T + max_new_tokens)."""
+    new = stream(model, idx, max_new_tokens, temperature, top_k, use_cache, step, vocab_size)
+    return torch.cat([idx, *new], dim=1)
+
+
+@torch.no_grad()
+def stream(model, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, step=None,
+           vocab_size=None):
+    """Yield the max_new_tokens tokens (B, 1) that continue idx (B, T), as they are drawn
+    (temperature 0: greedy; vocab_size: only ids below it). With the cache, each token after the
+    prefill goes through step(model, token, cache) -> (logits, cache): by default the plain cached
+    path, GPT.last_logits; exact_step and compiled_decode (below) hand back another cache over the
+    same buffers."""
+    if step is not None and not use_cache:
+        raise ValueError("a step feeds the KV cache: it needs use_cache=True")
+    L = model.config.block_size
+    # The model sees at most its last L tokens. When the text outgrows them, it starts again from
+    # the last `keep` of them, prefilled into a new cache: keeping half costs about one token's
+    # prefill a token, and every token sees at least half a context.
+    keep = L - L // 2
+    start = max(0, idx.size(1) - L)  # where the context begins in idx
+    max_len = min(L, idx.size(1) + max_new_tokens)  # the cache's: the longest the context gets
+    device = idx.device.type
+    autocast = torch.is_autocast_enabled(device)
+    dtype = torch.get_autocast_dtype(device) if autocast else model.lm_head.weight.dtype
+    cache = None
+    for _ in range(max_new_tokens):
+        if idx.size(1) - start > L:
+            start, cache = idx.size(1) - keep, None
+        if cache is None:  # the whole context: the prompt, a new start, or any step without the cache
+            cache = model.new_cache(idx.size(0), max_len, dtype) if use_cache else None
+            logits = model(idx[:, start:], cache=cache)[0][:, -1]
+        elif step is None:
+            logits = model.last_logits(idx[:, -1:], cache)
+        else:
+            logits, cache = step(model, idx[:, -1:], cache)
+        logits = logits[:, :vocab_size]
+        if temperature == 0:
+            next_token = logits.argmax(dim=-1, keepdim=True)
+        else:
+            # from the largest logit down, in fp32: a tiny temperature sends the others to -inf
+            # (greedy), not the logits to inf and softmax to nan
+            logits = logits.float() - logits.float().amax(-1, keepdim=True)
+            logits = logits / max(temperature, torch.finfo(torch.float32).tiny)
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            next_token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+        idx = torch.cat((idx, next_token), dim=1)
+        yield next_token
+
+
+# -----------------------------------------------------------------------------
+# The steps, and the plain equation they equal
 
 def registered(table, attn):
     """A table keyed by variant class (STEPS here, convert.py's LOAD_HEAD_KV_WEIGHTS): its entry for
@@ -198,7 +261,7 @@ def latent_attention(attn, q, c, k_rope, rho, mask):
 
 
 # -----------------------------------------------------------------------------
-# The caches that run the steps, and GPT.stream's steps over them
+# The caches that run the steps, and stream's steps over them
 
 class ExactKVCache(KVCache):
     """A KVCache over the buffers of another, one a prefill has filled, from its position on, whose
@@ -266,7 +329,7 @@ class FixedKVCache(ExactKVCache):
 
 
 def exact_step(model, token, cache):
-    """GPT.stream's step through every layer's registered single-token step: the last logits
+    """stream's step through every layer's registered single-token step: the last logits
     (B, vocab) of token (B, 1), and the cache, which a prefill has just filled the first time,
     then an ExactKVCache over the same buffers."""
     if not isinstance(cache, ExactKVCache):
@@ -289,7 +352,7 @@ def compiled_step(model, token, cache):
 
 
 def compiled_decode(model, token, cache):
-    """GPT.stream's step, compiled: a cache that a prefill has just filled is fixed on its first
+    """stream's step, compiled: a cache that a prefill has just filled is fixed on its first
     step (FixedKVCache over the same buffers), then the compiled step runs and the position moves on."""
     if not isinstance(cache, FixedKVCache):
         cache = FixedKVCache(cache)
