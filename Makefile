@@ -6,6 +6,7 @@
 # make demo-deep (SEED=1 too): the same six runs at the paper's 12 layers, into out/demo-deep(-seed1).
 # make demo-rivals (SEED=1 too): GTA, GLA, TPA and MLRA (lib/attention/rivals.py) beside make demo's MHA, LRKV r=8, MLA.
 # make demo-cla (SEED=1 too): MQA and LRKV r=8 with cross-layer attention (--cla=2) beside make demo's.
+# make demo-window (SEED=1 too): MHA, MQA and LRKV r=8 with sliding windows beside make demo's.
 # make convert (after make demo): the demo's MHA models converted to smaller caches and uptrained.
 # make demo TORCH=cpu (or cuda): the first make's venv with that build of PyTorch. By default
 # (TORCH=auto) the CUDA build where `nvidia-smi -L` lists a GPU, else the CPU one, and PyPI's
@@ -40,7 +41,7 @@ FLAGS_mqa := --attn=mqa
 FLAGS_mla := --attn=mla
 FLAGS_gqa := --attn=gqa
 
-.PHONY: demo demo-deep demo-steps demo-rivals demo-cla docs docs-demo docs-deep docs-cla test gpu-demo convert convert-seed
+.PHONY: demo demo-deep demo-steps demo-rivals demo-cla demo-window docs docs-demo docs-deep docs-cla test gpu-demo convert convert-seed
 .DELETE_ON_ERROR:
 
 $(VENV)/installed: requirements.txt requirements-fineweb.txt requirements-dev.txt requirements-eval.txt
@@ -168,6 +169,26 @@ demo-cla: $(DEMO_DATA)
 		for run in mqa-cla2 lrkv-r8-cla2; do echo; echo "$$run, greedy:"; $(PY) sample.py $(DEMO)/$$run/ckpt.pt \
 			--prompt="def " --temperature=0 --max_new_tokens=80 --device=cpu || exit 1; done && \
 		echo "figures and analysis.json in $(DEMO_CLA)/; make demo-cla took $$(( $$(date +%s) - start )) s"
+
+# make demo-window (SEED=1 too): sliding windows with MHA, MQA and LRKV r = 8 beside make demo's
+# full-attention runs (trained here where make demo has not finished them), the six analysed together
+# into DEMO_WINDOW. --window=16 --window_pattern=SSSL: three of the four layers see their last 16
+# bytes, the last layer all 128 of the context, so at that context the cache keeps (3 x 16 + 128) /
+# (4 x 128) = 34% of the full model's (analyze.py's table: KV at context, % of MHA).
+WINDOW_RUNS := mha mha-swa16 mqa mqa-swa16 lrkv-r8 lrkv-r8-swa16
+WINDOW_CKPTS = $(foreach run,$(WINDOW_RUNS),$(DEMO)/$(run)/ckpt.pt)
+DEMO_WINDOW = out/demo-window$(seed_suffix)
+SWA := --window=16 --window_pattern=SSSL
+FLAGS_mha-swa16 := --attn=mha $(SWA)
+FLAGS_mqa-swa16 := --attn=mqa $(SWA)
+FLAGS_lrkv-r8-swa16 := $(FLAGS_lrkv-r8) $(SWA)
+
+demo-window: $(DEMO_DATA)
+	@start=$$(date +%s); $(MAKE) --no-print-directory -j$(JOBS) $(WINDOW_CKPTS:ckpt.pt=trained) && \
+		$(PY) analyze.py $(WINDOW_CKPTS) --out_dir=$(DEMO_WINDOW) && \
+		for run in mha-swa16 lrkv-r8-swa16; do echo; echo "$$run, greedy:"; $(PY) sample.py $(DEMO)/$$run/ckpt.pt \
+			--prompt="def " --temperature=0 --max_new_tokens=80 --device=cpu || exit 1; done && \
+		echo "figures and analysis.json in $(DEMO_WINDOW)/; make demo-window took $$(( $$(date +%s) - start )) s"
 
 # make gpu-demo: the same six runs at the paper's 128M shape on one GPU, ~10 min each on an H200
 # (config/gpu.py), the ranks at the paper's head dim of 128

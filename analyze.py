@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
@@ -34,7 +35,7 @@ from lib.training.checkpoint import check_writable, load_checkpoint, read_log
 from lib.training.configurator import ArgumentParser, ConfigError
 from lib.attention.convert import CALIBRATION_TOKENS, attention_input_covariances, shared_plus_low_rank
 from lib.attention.diversity import key_layers, layer_ranks, similarities
-from lib.evaluation.runs import legend_labels, provenance, run_order
+from lib.evaluation.runs import layout, legend_labels, provenance, run_order
 from lib.training.data import TrainBatches, atomic_open, read_shard, shard_paths, write_atomic
 
 
@@ -135,6 +136,10 @@ def analyze(path):
         block.attn.double()
     similarity = similarities(model)
     kv_elements = model.kv_cache_elements_per_token()
+    # the cache of one sequence at the model's context L, in bf16, against MHA's: windows keep less
+    L = config.block_size
+    kv_bytes = model.kv_cache_bytes(1, L, torch.bfloat16)
+    mha_bytes = config.n_layer * 2 * config.n_embd * L * 2
     cached = {}  # {name: elements per token, all layers}, from the buffers decoding allocates
     for i in key_layers(model):
         for name, shape in model.blocks[i].attn.cache_shapes().items():
@@ -145,13 +150,18 @@ def analyze(path):
         "attn": config.attn,
         "n_layer": config.n_layer,
         "cla": config.cla,
-        # the layers whose keys the ranks are of: in CLA, the first of each group; the others share them
+        "kv_sources": [config.kv_source(layer) for layer in range(config.n_layer)],  # whose keys each reads
+        "windows": [config.layer_window(layer) for layer in range(config.n_layer)],  # None: all positions
+        "layout": layout(config),
+        # the layers whose keys the ranks are of: those that own keys, whose keys the others share
         "key_layers": key_layers(model),
         "n_head": config.n_head,
         "n_params": model.get_num_params(),
         "kv_cache_elements_per_token": kv_elements,  # all layers'
         "kv_cache_entries": cached,
-        "kv_cache_fraction": kv_elements / (config.n_layer * 2 * config.n_head * config.head_dim),  # of MHA's
+        "context": L,
+        "kv_cache_bytes": kv_bytes,  # one sequence of L tokens, bf16
+        "kv_cache_fraction": kv_bytes / mha_bytes,  # of MHA's at L
         **validation,
         "curves": loss_curves(records, ckpt),
         **provenance(ckpt, config),
@@ -288,9 +298,8 @@ def most_different_layer(runs):
 
 
 def key_layer(run, layer):
-    """The layer whose keys layer attends with in run: itself, or in CLA its group's first layer."""
-    layer %= run["n_layer"]
-    return layer - layer % run["cla"]
+    """The layer whose keys layer attends with in run: itself, or the layer it shares them with."""
+    return run["kv_sources"][layer % run["n_layer"]]
 
 
 def plot_head_correlation(runs, layer):
@@ -441,7 +450,7 @@ def plot_rank_energy(run, head_dim):
 
 def print_table(runs):
     converted = any(run["start"] for run in runs)
-    rows = [("", "params", "KV elements/token", "% of MHA",
+    rows = [("", "params", "KV elements/token", "KV at context (bf16)", "% of MHA",
              *(["val loss at step 0"] if converted else []),
              "val loss", "val BPB", "eff. rank (% of H)", "centred (% of H)")]
     for run in runs:
@@ -450,6 +459,7 @@ def print_table(runs):
             run["label"],
             f"{run['n_params'] / 1e6:.1f}M",
             str(run["kv_cache_elements_per_token"]),
+            f"{run['kv_cache_bytes'] / 1024:,.1f} KiB at {run['context']}",
             f"{100 * run['kv_cache_fraction']:.1f}",
             *([f"{run['start']['val_loss']:.3f}" if run["start"] else "-"] if converted else []),
             "-" if run["val_loss"] is None else f"{run['val_loss']:.3f}",
@@ -461,10 +471,8 @@ def print_table(runs):
         cells = [row[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(row[1:], widths[1:])]
         print("  ".join(cells))
     for run in runs:
-        if run["cla"] > 1:
-            sharing = [layer for layer in range(run["n_layer"]) if layer not in run["key_layers"]]
-            print(f"{run['label']}: layers {', '.join(map(str, sharing))} attend with the keys and values of "
-                  f"the first layer of their group of {run['cla']}; the ranks are of layers "
+        if run["layout"]:
+            print(f"{run['label']}: {run['layout']}; the ranks are of the layers that own keys, "
                   f"{', '.join(map(str, run['key_layers']))}")
 
 

@@ -10,7 +10,6 @@ Chapter 2, decoding: KVCache, the memory of the whole model, and GPT's generate.
 torch alone; lib/attention/ builds on it (the rivals, the fast decoding steps, conversion).
 """
 
-import copy
 import importlib
 import math
 from dataclasses import dataclass
@@ -96,9 +95,8 @@ def norm(x):
 
 
 def rms(x):
-    """The RMS that norm divides by, sqrt(mean(x^2) + eps), (...,) for x (..., D), in x's dtype. As
-    F.rms_norm, it computes in fp32 with fp32's eps even for bf16 x, so a cached RMS is exactly the
-    divisor that training's norm uses."""
+    """The RMS that norm divides by, sqrt(mean(x^2) + eps), (...,) for x (..., D): as F.rms_norm, in
+    fp32 with fp32's eps even for bf16 x, so that a cached RMS is exactly training's divisor."""
     x_hi = x.to(torch.promote_types(x.dtype, torch.float32))
     return x_hi.pow(2).mean(-1).add(torch.finfo(x_hi.dtype).eps).sqrt().to(x.dtype)
 
@@ -134,13 +132,11 @@ def visible(q_pos, k_pos, window=None):
 
 class Attention(nn.Module):
     """What every variant shares: H query heads q_h = Rot(norm(x W_h^Q)), softmax attention over the
-    keys and values the rule `visible` lets each query see, and the output projection W_o. A variant
-    defines keys_values(x, rope): G key/value heads (G = H where every head has its own), and for
-    decoding cache_shapes (README: Adding a variant). Every parameter is a matrix (Muon's).
-
-    A layer attends with the keys and values of kv_layer, config.kv_source's: its own, or those of
-    the layer it shares with (cross-layer attention, YOCO), in which case it holds no key or value
-    weights. Its window (config.layer_window) is its own either way."""
+    keys and values that `visible` lets each query see, and the output projection W_o. A variant
+    defines keys_values(x, rope), G key/value heads, and for decoding cache_shapes (README: Adding a
+    variant). Every parameter is a matrix (Muon's). A layer attends with the keys and values of its
+    kv_layer (config.kv_source: its own, or those of the layer it shares, then holding no key or value
+    weights), with its own window (config.layer_window)."""
 
     query_weights = ("W_q",)  # what makes the queries: all that a layer that shares keys keeps, with W_o
 
@@ -199,7 +195,6 @@ class Attention(nn.Module):
                 delattr(self, name)
 
     # Decoding: what a token leaves in the cache, and keys and values rebuilt from it
-
     def decode(self, x, rope, cache):
         """x's T new tokens (B, T, d) after the cache's prefix: the layer hands the cache their entries
         (if it owns its keys), then attends over every position its rule lets it see (KVCache.attend)."""
@@ -223,7 +218,6 @@ class Attention(nn.Module):
         return cached["k"], cached["v"]
 
     # What analysis (lib/attention/diversity.py) and conversion (lib/attention/convert.py) read
-
     def head_kv_weights(self):
         """(W_K, W_V), each (H, d_h, d): head h's key is x @ W_K[h].T before the QK norm and RoPE, and
         its value x @ W_V[h].T, where a variant's keys and values are per-head projections of x."""
@@ -388,8 +382,8 @@ class MultiHeadLatentAttention(Attention):
 
         k_h = norm([c W_up,h^K | Rot(k_R)])        v_h = c W_up,h^V
 
-    so q/k heads are d_h + d_R wide, a query head [q_h^nope | q_h^R] with RoPE on its last d_R dims.
-    The QK norm takes the whole concatenation, so a key's RMS is per head though k_R is shared."""
+    so q/k heads are d_h + d_R wide, a query head [q_h^nope | q_h^R] with RoPE on its last d_R dims;
+    the QK norm takes the whole concatenation, so a key's RMS is per head though k_R is shared."""
 
     def __init__(self, config, layer):
         super().__init__(config, layer, qk_dim=config.head_dim + config.rope_head_dim,
@@ -512,8 +506,7 @@ class GPT(nn.Module):
     @torch.no_grad()
     def reset_parameters(self):
         """nanochat's init: unit-variance embeddings, a near-zero unembedding, every matrix uniform of
-        variance 1/fan_in, zero output projections. The draws happen in this order, each attention
-        layer's own last, so that a seed gives the same weights every time."""
+        variance 1/fan_in, zero output projections; in this order, so a seed gives the same weights."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 bound = math.sqrt(3 / module.in_features)  # variance 1 / fan_in
@@ -609,7 +602,7 @@ class KVCache:
     def buffers(self):
         return [buf for layer in self.layers for buf in layer.values()]
 
-    def length(self, layer):
+    def length(self, layer):  # how many positions the layer's buffers hold
         return next(iter(self.layers[layer].values())).size(1)
 
     def next_rope(self, T):
@@ -668,11 +661,3 @@ class KVCache:
         for layer, entries in self.pending.items():
             self.store(layer, entries)
         self.pos, self.pending = self.pos + T, {}
-
-    def repeat(self, n):
-        """A cache of n copies of each sequence, in a row, at the same position: one prompt, prefilled
-        once, continued n ways (eval.py scores the choices of a question so)."""
-        repeated = copy.copy(self)
-        repeated.layers = [{name: buf.repeat_interleave(n, dim=0) for name, buf in layer.items()}
-                           for layer in self.layers]
-        return repeated

@@ -23,6 +23,7 @@ import time
 import torch
 
 from lib.attention.decode import compiled_decode, exact_step, stream
+from lib.evaluation.runs import layout
 from lib.training.data import load_tokenizer
 from lib.training.checkpoint import load_checkpoint
 from lib.training.configurator import ArgumentParser, ConfigError, positive_int, seed
@@ -132,8 +133,9 @@ def main(argv=None):
     seconds = time.perf_counter() - t0
     cache_len = min(model.config.block_size, len(prompt) + args.max_new_tokens)  # decode.stream's cache
     cache_bytes = model.kv_cache_bytes(1, cache_len, dtype)
-    cache = ("no KV cache (--no_cache)" if args.no_cache else
-             f"KV cache {size(cache_bytes)} ({dtype_name}, 1 x {cache_len} tokens)")
+    shared = layout(model.config)  # sharing and windows, which the cache's size follows
+    cache = ("no KV cache (--no_cache)" if args.no_cache else f"KV cache {size(cache_bytes)} "
+             f"({dtype_name}, 1 x {cache_len} tokens{'; ' + shared if shared else ''})")
     print(f"{args.num_samples} sample{'s' * (args.num_samples > 1)}, {drawn} tokens in {seconds:.1f} s"
           f"{' (compiling included)' if args.compile else ''}: {drawn / seconds:.0f} tokens/s | {cache}")
     return 0

@@ -13,6 +13,7 @@ import torch
 
 from lib.attention import diversity
 from lib.attention.decode import generate
+from lib.evaluation.downstream import repeated
 from model import GPT, GPTConfig, VARIANTS, norm, rms as cached_rms
 from references import (MIB, REFERENCES, TINY, Reference, cropped_greedy, naive_forward, small_key_model,
                         tiny_model, token_by_token)
@@ -117,7 +118,7 @@ def test_a_repeated_cache_continues_one_prompt_several_ways(attn):
     with torch.no_grad():
         cache = model.new_cache(1, 15, dtype=torch.float32)
         model(prompt, cache=cache)
-        logits = model(continuations, cache=cache.repeat(3))[0]
+        logits = model(continuations, cache=repeated(cache, 3))[0]
         full = model(torch.cat((prompt.expand(3, -1), continuations), dim=1))[0][:, 9:]
     assert cache.pos == 9 and (logits - full).abs().max() < 1e-4
 

@@ -9,15 +9,14 @@ Train one attention variant of model.py's GPT on token shards written by prepare
     python train.py --attn=mqa --resume                         # continue out_dir/ckpt.pt
     python train.py config/demo.py config/convert.py --init_from=out/demo/mha/ckpt.pt --attn=lrkv
 
-Every field of GPTConfig (lib/variants.py: model.py's GPTConfig and the rivals' knobs) and of
-TrainConfig (below) is a --name=value flag, and a positional argument is a preset, a Python file
-assigning field names (configurator.py). The run
-prints its progress, writes the same records to out_dir/log.jsonl for plotting (each evaluation's
-with every layer's effective rank, diversity.py), and saves out_dir/ckpt.pt after every
-evaluation (checkpoint.py, which also says what a resumed run must match). Read top-down: the
-config, main (checks, then train), the loop, its pieces (optimisers, schedule, backward,
-evaluation) and the data. The rest lives beside it: muon.py the optimiser, parallel.py DDP
-and FSDP, convert.py --init_from, hardware.py the device and precision.
+Every field of model.py's GPTConfig and of TrainConfig (lib/training/recipe.py, with the optimisers
+and the step) is a --name=value flag, and a positional argument is a preset, a Python file
+assigning field names (configurator.py). The run prints its progress, writes the same records to
+out_dir/log.jsonl for plotting (each evaluation's with every layer's effective rank, diversity.py),
+and saves out_dir/ckpt.pt after every evaluation (checkpoint.py, which also says what a resumed run
+must match). Read top-down: main (checks, then train), the loop, the schedule, the evaluation and
+the in-loop tasks. lib/training/ holds the rest: data.py the shards, muon.py the optimiser,
+parallel.py DDP and FSDP, hardware.py the device and precision; lib/attention/convert.py --init_from.
 """
 
 import copy

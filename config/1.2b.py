@@ -3,8 +3,8 @@
 # of MHA's, the paper's figure). GPT.get_num_params() counts 0.83B for MHA, not 1.2B: the shape is
 # the paper's as it lists it, name aside (docs/scaling.md, "The presets").
 # Training: the paper's recipe (train.py's defaults: 16 x 2048 tokens a step, Muon and AdamW at the
-# paper's lrs, 2,000 warm-up steps, then cosine) for 50B tokens. `python -m tools.plan config/1.2b.py`
-# says what fits on your GPUs.
+# paper's lrs, 2,000 warm-up steps, then train.py's lr_multiplier) for 50B tokens.
+# `python -m tools.plan config/1.2b.py` says what fits on your GPUs.
 n_layer = 24
 n_head = 12
 n_embd = 1536

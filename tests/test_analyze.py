@@ -197,8 +197,8 @@ def test_end_to_end(tmp_path, capsys):
 
 def test_heatmap_defaults_to_the_layer_where_the_runs_differ_most():
     identity = np.eye(2)[None].repeat(3, 0).tolist()
-    runs = [dict(label=name, n_layer=3, cla=1, key_layers=[0, 1, 2], n_head=2, effective_rank=ranks,
-                 similarity=identity)
+    runs = [dict(label=name, n_layer=3, kv_sources=[0, 1, 2], key_layers=[0, 1, 2], n_head=2,
+                 effective_rank=ranks, similarity=identity)
             for name, ranks in (("a", [1.9, 2.0, 1.5]), ("b", [1.2, 1.95, 1.4]), ("c", [1.8, 2.0, 1.3]))]
     assert analyze.most_different_layer(runs) == 0  # spreads 0.7, 0.05, 0.2
     title = analyze.plot_head_correlation(runs, None)._suptitle.get_text()
@@ -206,11 +206,12 @@ def test_heatmap_defaults_to_the_layer_where_the_runs_differ_most():
     title = analyze.plot_head_correlation(runs, 2)._suptitle.get_text()
     assert title == "Attention Head Correlation (layer 2)"
     # a CLA run (--cla=3) has the ranks of layer 0 alone, whose keys its layers 1 and 2 attend with
-    cla = dict(runs[0], label="d", cla=3, key_layers=[0], effective_rank=[1.0], similarity=identity[:1])
+    cla = dict(runs[0], label="d", kv_sources=[0, 0, 0], key_layers=[0], effective_rank=[1.0],
+               similarity=identity[:1])
     assert analyze.most_different_layer([*runs, cla]) == 0
     title = analyze.plot_head_correlation([runs[0], cla], 2)._suptitle.get_text()
     assert title == "Attention Head Correlation (layer 0, 2)"  # layer 2's keys in each
-    runs[1]["n_layer"] = 4  # runs of different depth: no common layer, each run's middle one
+    runs[1].update(n_layer=4, kv_sources=[0, 1, 2, 3])  # runs of different depth: each run's middle layer
     assert analyze.most_different_layer(runs) is None
 
 

@@ -32,6 +32,7 @@ cache (GPT.new_cache) and every choice's tokens after the common prefix continue
 (SHARE_MIN_TOKENS). Both paths give the same log-likelihoods (tests/test_eval.py).
 """
 
+import copy
 import gzip
 import importlib.metadata
 import importlib.util
@@ -379,6 +380,15 @@ def shares_enough(n, P):
     return P > 0 and (n - 1) * P >= SHARE_MIN_TOKENS
 
 
+def repeated(cache, n):
+    """A KVCache of n copies of each of cache's sequences, in a row, at its position: one prompt,
+    prefilled once, continued n ways."""
+    copied = copy.copy(cache)
+    copied.layers = [{name: buf.repeat_interleave(n, dim=0) for name, buf in layer.items()}
+                     for layer in cache.layers]
+    return copied
+
+
 @torch.no_grad()
 def score_shared(model, jobs, P, pad_id):
     """(len(jobs),) float64: the log-likelihood of each of jobs, windows of one document's choices at
@@ -392,7 +402,7 @@ def score_shared(model, jobs, P, pad_id):
     logits = prefix.expand(len(jobs), -1, -1)
     if width > P:  # some choice goes on past the prefix
         rest = padded([job.inputs[P:] for job in jobs], width - P, pad_id, device)
-        logits = torch.cat((logits, model(rest, cache=cache.repeat(len(jobs)))[0]), dim=1)  # (n, width, V)
+        logits = torch.cat((logits, model(rest, cache=repeated(cache, len(jobs)))[0]), dim=1)  # (n, width, V)
     return log_likelihoods(logits, scored_targets(jobs, width, device))
 
 

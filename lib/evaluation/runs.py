@@ -74,9 +74,28 @@ def legend_key(config):
 def variant_label(config, peers):
     """A variant's own legend label (LEGEND's, given the configs of every run of it), or its --attn
     name; "+ CLA2" where its layers share keys and values in pairs (--cla=2), as the CLA paper's
-    MQA-CLA2."""
+    MQA-CLA2, "+ YOCO" where the upper half shares the middle layer's, and "+ SWA W (pattern)" where
+    layers see a sliding window of W positions."""
     label = LEGEND[config.attn][0](config, peers) if config.attn in LEGEND else config.attn
-    return label + (f" + CLA{config.cla}" if config.cla > 1 else "")
+    label += (f" + CLA{config.cla}" if config.cla > 1 else "") + (" + YOCO" if config.yoco else "")
+    return label + (f" + SWA {config.window} ({config.window_pattern})" if config.window else "")
+
+
+def layout(config):
+    """How a model's layers share keys and see positions, in words ("" for every layer its own keys
+    and all positions): sample.py's header and analyze.py's table say it."""
+    def layers(numbers):
+        return ("layer " if len(numbers) == 1 else "layers ") + ", ".join(map(str, numbers))
+    n = range(config.n_layer)
+    sharing = {layer: config.kv_source(layer) for layer in n if config.kv_source(layer) != layer}
+    local = [layer for layer in n if config.layer_window(layer)]
+    parts = []
+    if sharing:
+        sources = sorted(set(sharing.values()))
+        parts.append(f"{layers(list(sharing))} attend with the keys and values of {layers(sources)}")
+    if local:
+        parts.append(f"{layers(local)} see their last {config.window} positions")
+    return "; ".join(parts)
 
 
 def legend_labels(configs, runs):
