@@ -44,10 +44,11 @@ FLAGS_gqa := --attn=gqa
 .PHONY: demo demo-deep demo-steps demo-rivals demo-cla demo-window docs docs-demo docs-deep docs-cla test gpu-demo convert convert-seed
 .DELETE_ON_ERROR:
 
-$(VENV)/installed: requirements.txt requirements-fineweb.txt requirements-dev.txt requirements-eval.txt
+$(VENV)/installed: requirements.txt requirements-fineweb.txt requirements-dev.txt requirements-eval.txt \
+		requirements-hf.txt
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(PY) tools/install_torch.py $(TORCH)
-	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q -r requirements-dev.txt -r requirements-hf.txt
 	$(PY) -m pip install -q --no-deps -r requirements-eval.txt
 	touch $@
 
