@@ -207,15 +207,16 @@ def plot_effective_rank(runs, centered):
     redundant, top = (0, H - 1) if centered else (1, H)
     fig = Figure(figsize=(7.5, 4), layout="constrained")
     ax = fig.subplots()
-    for run in runs:  # a CLA run's ranks are those of the layers that own keys
+    for run in runs:  # a run that shares keys has the ranks of the layers that own them alone
         ax.plot(run["key_layers"], run[key], marker="o", markersize=4, color=run["color"],
                 linestyle=line_style(run), label=run["label"])
+    shared = any(len(run["key_layers"]) < run["n_layer"] for run in runs)
     ax.axhline(redundant, color="gray", linestyle="--", label="Fully redundant")
     ax.set_ylim(redundant - 0.2, top + 0.2)
     ax.set_yticks(range(redundant, top + 1))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
-    ax.set_xlabel("Layer")
+    ax.set_xlabel("Layer" + (" (points: the layers that own keys, which the others read)" if shared else ""))
     ax.set_ylabel("PCA-based effective rank" if centered else "Effective rank")
     kind = "PCA-based Effective Rank" if centered else "Effective Rank"
     ax.set_title(f"Head Diversity via {kind} ({model_size(runs[0]['n_params'])})")
@@ -337,7 +338,8 @@ def pareto_front(points):
 
 
 def plot_kv_tradeoff(runs):
-    """Validation loss and BPB against KV cache per token as % of MHA, one point per checkpoint
+    """Validation loss and BPB against the KV cache of one sequence at the model's context, as % of
+    MHA's (windows keep less there; without windows, what a token caches), one point per checkpoint
     with validation numbers, and their Pareto front; a converted run (diamond; whitened a square,
     distilled a triangle) also where it started (hollow), before uptraining.
     None if no checkpoint carries validation numbers."""
@@ -362,7 +364,7 @@ def plot_kv_tradeoff(runs):
         front = pareto_front([(x, y) for x, y, _ in points])
         ax.plot(*zip(*front), color="gray", linestyle="--", zorder=2, label="Pareto front")
         ax.grid(alpha=0.3)
-        ax.set_xlabel("KV cache per token (% of MHA)")
+        ax.set_xlabel("KV cache at the context (% of MHA)")
         ax.set_ylabel(name)
     fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right upper")
     fig.suptitle("Validation Loss vs KV Cache Size")
