@@ -21,8 +21,7 @@ import torch.nn.functional as F
 
 @dataclass
 class GPTConfig:
-    """Every knob of the model, for every variant: GPT(GPTConfig(**ckpt["model_args"])) builds any
-    checkpoint."""
+    """Every knob of every variant: GPT(GPTConfig(**ckpt["model_args"])) builds any checkpoint."""
     block_size: int = 2048
     vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 128 for fast matmuls
     n_layer: int = 12
@@ -323,8 +322,10 @@ class LowRankKVAttention(Attention):
             nn.init.normal_(factor, std=0.1 / math.sqrt(self.lrkv_rank))
 
     def keys_values(self, x, rope):
-        k_shared, r_k, k = self.key_parts(x)  # K_shared (B, T, d_h), R^K (B, T, H, r), K_h (B, T, H, d_h)
-        return apply_rope(norm(k), rope), self.values(self.W_shared_v(x), self.residual_coords(self.U_v, x))
+        k_shared, v_shared = self.W_shared_k(x), self.W_shared_v(x)  # (B, T, d_h): X W_shared
+        r_k, r_v = self.residual_coords(self.U_k, x), self.residual_coords(self.U_v, x)  # (B, T, H, r): X U_h
+        k = k_shared.unsqueeze(2) + self.residual(r_k, self.B_k)  # (B, T, H, d_h): K_h
+        return apply_rope(norm(k), rope), self.values(v_shared, r_v)
 
     def key_parts(self, x):
         """K_shared = X W_shared, R^K = X U_h and every head's K_h = K_shared + R_h^K (B_h^K)^T."""
