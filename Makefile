@@ -41,7 +41,7 @@ FLAGS_mqa := --attn=mqa
 FLAGS_mla := --attn=mla
 FLAGS_gqa := --attn=gqa
 
-.PHONY: demo demo-deep demo-steps demo-rivals demo-cla demo-window docs docs-demo docs-deep docs-cla test gpu-demo convert convert-seed
+.PHONY: demo demo-deep demo-steps demo-rivals demo-cla demo-window docs docs-demo docs-deep docs-cla docs-window test gpu-demo convert convert-seed
 .DELETE_ON_ERROR:
 
 $(VENV)/installed: requirements.txt requirements-fineweb.txt requirements-dev.txt requirements-eval.txt \
@@ -211,7 +211,8 @@ gpu-demo: $(GPU_CKPTS:ckpt.pt=trained)
 	$(PY) analyze.py $(GPU_CKPTS) --out_dir=$(GPU_DEMO)
 
 # the README's figures: the demo's, seed 0 (docs-demo alone), and the conversion's, both seeds;
-# docs-deep: demo-deep's, seed 0, as docs/deep_*.png (docs/results.md); docs-cla: demo-cla's, seed 0
+# docs-deep: demo-deep's, seed 0, as docs/deep_*.png (docs/results.md); docs-cla, docs-window: those
+# demos', seed 0
 docs-demo: demo
 	mkdir -p docs
 	cp $(DEMO)/effective_rank.png $(DEMO)/head_correlation.png $(DEMO)/loss_curves.png $(DEMO)/kv_tradeoff.png \
@@ -231,3 +232,8 @@ docs-cla: demo-cla
 	mkdir -p docs
 	cp $(DEMO_CLA)/kv_tradeoff.png docs/cla_kv_tradeoff.png
 	cp $(DEMO_CLA)/effective_rank.png docs/cla_effective_rank.png
+
+docs-window: demo-window
+	mkdir -p docs
+	cp $(DEMO_WINDOW)/kv_tradeoff.png docs/window_kv_tradeoff.png
+	cp $(DEMO_WINDOW)/effective_rank.png docs/window_effective_rank.png
