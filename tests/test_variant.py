@@ -5,13 +5,13 @@
 - LRKV whose rank differs from layer to layer;
 - grouped LRKV, one residual for each group of H/G heads, every head its own B_h.
 The last three subclass LowRankKVAttention. Each goes through every test of test_model.py,
-test_decode.py and test_convert.py that runs on every variant, with a Reference as
+test_decode.py, test_convert.py and test_window.py that runs on every variant, with a Reference as
 tests/references.py's REFERENCES hold them; the interleaved one also through train.py (a run and
 its resume), analyze.py and bench.py, the per-layer one through train.py and analyze.py. Each gives
 what README's "Adding a variant" asks: its key (and value) weights as methods of its class, its
-single-token step registered with decode.py (or LRKV's, inherited), its conversion with
-convert.py, its legend with analyze.py; the fixture `variant` names it in lib/variants.py's
-VARIANTS for one test."""
+single-token step in decode.py's STEPS (or LRKV's, inherited), its conversion in convert.py's
+table, its legend in lib/evaluation/runs.py's; the fixture `variant` puts each in model.VARIANTS,
+and the others in their tables, for one test."""
 
 import inspect
 import itertools
@@ -29,6 +29,7 @@ import test_analyze
 import test_convert
 import test_decode
 import test_model
+import test_window
 import train
 from lib.attention import convert, decode
 import model
@@ -294,8 +295,9 @@ def parameters(test):
     return {mark.args[0]: mark.args[1] for mark in marks if mark.name == "parametrize"}
 
 
-# Every test of test_model.py, test_decode.py and test_convert.py parametrized over every variant
-GENERIC_TESTS = [test for module in (test_model, test_decode, test_convert)
+# Every test of test_model.py, test_decode.py, test_convert.py and test_window.py parametrized over
+# every variant: a new variant needs nothing for windows and sharing
+GENERIC_TESTS = [test for module in (test_model, test_decode, test_convert, test_window)
                  for name, test in vars(module).items()
                  if name.startswith("test_") and parameters(test).get("attn") is model.VARIANTS]
 
