@@ -145,18 +145,19 @@ class Attention(nn.Module):
         self.qk_dim = qk_dim or config.head_dim  # d_qk: a query or key head's width
         self.rope_dim = rope_dim or config.head_dim  # RoPE turns a query's and a key's last rope_dim dims
         self.kv_layer, self.window = config.kv_source(layer), config.layer_window(layer)
+        self.shared = any(config.kv_source(other) == layer != other for other in range(config.n_layer))
         self.W_q = nn.Linear(config.n_embd, config.n_head * self.qk_dim, bias=False)
         self.W_o = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=False)
 
     def forward(self, x, rope, kvs):
-        """Training: x (B, T, d) at positions 0..T-1. kvs maps a layer to its keys and values: this
-        layer adds its own, or reads those of its kv_layer."""
+        """Training: x (B, T, d) at positions 0..T-1; kvs: {layer: its keys and values} where shared."""
         q = self.queries(x, rope)  # (B, T, H, d_qk)
-        if self.owns_kv:
-            kvs[self.layer] = self.keys_values(x, rope)
+        k, v = self.keys_values(x, rope) if self.owns_kv else kvs[self.kv_layer]
+        if self.owns_kv and self.shared:  # kept only where another layer reads them: memory
+            kvs[self.layer] = k, v
         positions = torch.arange(x.size(1))
         mask = None if self.window is None else visible(positions, positions, self.window)
-        return self.W_o(self.attend(q, *kvs[self.kv_layer], mask).flatten(2))
+        return self.W_o(self.attend(q, k, v, mask).flatten(2))
 
     def queries(self, x, rope):
         B, T, _ = x.shape
@@ -315,8 +316,7 @@ class LowRankKVAttention(Attention):
             config.reject("lrkv_rank", f"between 1 and head_dim = {config.head_dim}")
 
     def reset_parameters(self):
-        # W_shared, U_h of variance 1/d, B_h of std 0.1/sqrt(r): the paper's starting residual
-        # ||U_h B_h^T||_F ~ 0.1 sqrt(d_h) ~ 0.1 ||W_shared||_F
+        # B_h of std 0.1/sqrt(r): the paper's starting residual, ||U_h B_h^T||_F ~ 0.1 ||W_shared||_F
         super().reset_parameters()
         for factor in self.parameters(recurse=False):  # B_k, B_v, where the layer owns its keys
             nn.init.normal_(factor, std=0.1 / math.sqrt(self.lrkv_rank))

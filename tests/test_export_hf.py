@@ -83,7 +83,8 @@ def build(data_dir, tmp_path_factory):
             run = tmp_path_factory.getbasetemp() / f"run-{name}"
             if not (run / "ckpt.pt").exists():
                 flags = {**TINY, "attn": attn, "cla": cla, **layout, "data_dir": data_dir, "out_dir": run}
-                assert train.main([f"--{k}={v}" for k, v in flags.items()]) == 0
+                with torch.enable_grad():  # the first test to ask may run under torch.no_grad
+                    assert train.main([f"--{k}={v}" for k, v in flags.items()]) == 0
             out = tmp_path_factory.mktemp("hf") / f"{name}{'-native' if native else ''}"
             assert export_hf.main([str(run / "ckpt.pt"), str(out), *["--native"] * native]) == 0
             is_native = native or (cla == 1 and attn in NATIVE and not layout)
@@ -422,11 +423,12 @@ def test_a_knob_the_remote_code_does_not_know(build, tmp_path, monkeypatch, caps
     """A knob of model_args that modeling_lrkv.py lacks (one the repository gains after it) is
     refused unless it is at its default: here a stand-in modeling_lrkv.py that lacks lrkv_rank, and
     a checkpoint trained with --lrkv_rank=2."""
+    ckpt = build("lrkv", 1).ckpt  # exported by the real modeling_lrkv.py, before the stand-in
     known = {name: None for name in export_hf.load_modeling().LRKVConfig.__dataclass_fields__}
     del known["lrkv_rank"]
     stand_in = SimpleNamespace(LRKVConfig=SimpleNamespace(__dataclass_fields__=known))
     monkeypatch.setattr(export_hf, "load_modeling", lambda: stand_in)
-    assert export_hf.main([str(build("lrkv", 1).ckpt), str(tmp_path / "out")]) == 2
+    assert export_hf.main([str(ckpt), str(tmp_path / "out")]) == 2
     assert "--lrkv_rank=2" in one_line_error(capsys)
     assert list(tmp_path.iterdir()) == []
 
@@ -436,9 +438,10 @@ def test_a_failed_export_leaves_nothing(build, tmp_path, monkeypatch):
     def fail(*args):
         raise RuntimeError("the disk went away")
 
+    ckpt = build("mha", 1).ckpt  # exported whole, before the card fails
     monkeypatch.setattr(export_hf, "card", fail)
     with pytest.raises(RuntimeError, match="the disk went away"):
-        export_hf.main([str(build("mha", 1).ckpt), str(tmp_path / "new" / "out")])
+        export_hf.main([str(ckpt), str(tmp_path / "new" / "out")])
     assert list(tmp_path.iterdir()) == []
 
 

@@ -4,6 +4,7 @@ activation checkpointing; Muon orthogonalises sharded matrices whole; a sharded 
 exactly and its checkpoint moves between DDP and FSDP and is read by analyze.py and sample.py;
 the presets are the paper's shapes; plan.py's memory matches what a step allocates."""
 
+import dataclasses
 import gc
 import itertools
 import subprocess
@@ -29,7 +30,7 @@ from tools import plan
 import sample
 import train
 from lib.training import recipe
-from model import GPT, VARIANTS
+from model import GPT, GPTConfig, VARIANTS
 from test_train import REPO, data_dir, records  # noqa: F401 (data_dir is a fixture)
 
 STEPS, STOP = 5, 2
@@ -348,3 +349,28 @@ def test_the_plan_of_the_four_sizes(capsys):
     assert "FSDP" in rows[-1] and "DDP" in rows[0]
     assert plan.main(["config/demo.py", "--gpus=3"]) == 2
     assert "does not split over 3 GPUs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("attn, mode", [(attn, "FSDP + AC") for attn in VARIANTS]
+                         + [("lrkv", mode) for mode in ("DDP", "DDP + AC", "FSDP")])
+def test_the_plan_replays_three_blocks_as_the_whole_model(attn, mode):
+    """plan.py runs three blocks and plays the middle one for the others: the peaks of running all
+    the blocks, dropping the gradients and keeping them (bf16 autocast; weights in fp32 under DDP,
+    in bf16 under FSDP)."""
+    fsdp, checkpointed = plan.MODES[mode]
+    config = GPTConfig(attn=attn, n_layer=4, block_size=64)
+    run = 2, torch.bfloat16 if fsdp else torch.float32, True, checkpointed
+    three = plan.simulated_events(dataclasses.replace(config, n_layer=3), *run)
+    assert plan.replayed_peaks(three, 4) == plan.replayed_peaks(plan.simulated_events(config, *run), 4)
+
+
+@pytest.mark.parametrize("flag", ["--gpu_memory_gib=1e-320", "--gpu_memory_gib=0.5", "--gpu_memory_gib=nan",
+                                  "--gpu_memory_gib=inf", "--gpu_memory_gib=20000", "--gpu_memory_gib=80,80",
+                                  "--peak_tflops=1e-320", "--mfu=0", "--gpus=0", "--sizes --measure"])
+def test_the_plan_refuses_what_no_gpu_has(capsys, flag):
+    """A GPU memory under 1 GiB or over 10,000, or not a number, and the like: one line, exit 2."""
+    try:
+        code = plan.main(flag.split())
+    except SystemExit as e:  # argparse's refusals
+        code = e.code
+    assert code == 2 and capsys.readouterr().err.count("\n") == 1

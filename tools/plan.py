@@ -17,8 +17,9 @@ Memory per GPU, as eager PyTorch allocates it (DDP with --gpus=1 is one process)
 - activations: the peak of the tensors that a forward and backward of the micro-batch allocate,
   found by running model.py's own forward and backward on fake tensors, which allocate nothing
   (LiveBytes), each gradient dropped as it lands; activation checkpointing's recomputation
-  included. Autocast is CPU autocast's policy, which keeps norms in bf16 where CUDA's computes
-  them in fp32.
+  included. Where the blocks are all alike, three of them run and the middle one's events are
+  replayed for the others (replayed_peaks): the bytes of running them all, at the cost of three.
+  Autocast is CPU autocast's policy, which keeps norms in bf16 where CUDA's computes them in fp32.
 - FSDP's gathered blocks: the embeddings and two blocks (the one running, the one prefetched)
   gathered whole in the run's dtype, and one block's gradients in the run's dtype and in fp32 on
   their way to the reduce-scatter.
@@ -43,8 +44,10 @@ memory beside the plan for that machine (measured_peak says how it is counted).
 """
 
 import argparse
+import collections
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import os
@@ -68,7 +71,7 @@ from lib.training import parallel
 
 from lib.training import recipe
 from tools.bench import variants
-from lib.training.configurator import ArgumentParser, ConfigError
+from lib.training.configurator import ArgumentParser, ConfigError, positive_int
 from model import GPT, GPTConfig, VARIANTS
 
 GIB = 2**30
@@ -109,7 +112,7 @@ class LiveBytes(TorchDispatchMode):
             key = id(storage)
             if key not in self.storages and key not in self.excluded:
                 self.storages[key] = weakref.ref(storage)
-                self.live += 0 if self.poll else storage.nbytes()
+                self.made(key, storage.nbytes())
                 weakref.finalize(storage, self.free, key, storage.nbytes())
         if self.poll:
             self.live = sum(storage.nbytes() for ref in list(self.storages.values())
@@ -117,9 +120,57 @@ class LiveBytes(TorchDispatchMode):
         self.peak = max(self.peak, self.live)
         return out
 
+    def made(self, key, nbytes):
+        self.live += 0 if self.poll else nbytes
+
     def free(self, key, nbytes):
         del self.storages[key]
         self.live -= 0 if self.poll else nbytes
+
+
+class Timeline(LiveBytes):
+    """LiveBytes that also writes down, in order, what happens to the storages, each event with
+    the part of the run it happens in (mark_parts): ("new", part, bytes), ("free", part, name) and
+    ("grad", part, name) where a parameter's gradient lands in a storage. A storage's name is the
+    part that made it and how many that part had made before."""
+
+    def __init__(self, exclude):
+        super().__init__(exclude)
+        self.part, self.events, self.names, self.count = "pre", [], {}, collections.Counter()
+
+    def made(self, key, nbytes):
+        super().made(key, nbytes)
+        self.names[key] = (self.part, self.count[self.part])
+        self.count[self.part] += 1
+        self.events.append(("new", self.part, nbytes))
+
+    def free(self, key, nbytes):
+        super().free(key, nbytes)
+        self.events.append(("free", self.part, self.names.pop(key)))
+
+    def landed(self, param):
+        self.events.append(("grad", self.part, self.names[id(param.grad.untyped_storage())]))
+
+
+def mark_parts(model, timeline):
+    """Set timeline.part as the run goes: "pre" (the embedding), ("F", k) from block k's forward on,
+    "head" from the unembedding on, to the loss and back, ("B", k) once the gradient of block k's
+    output is whole, "post" once that of block 0's input is."""
+    def set_part(part):
+        return lambda *args: setattr(timeline, "part", part)
+
+    def forward_pre(k, block, args):
+        timeline.part = ("F", k)
+        if k == 0:
+            args[0].register_hook(set_part("post"))
+
+    def forward(k, block, args, out):
+        out.register_hook(set_part(("B", k)))
+
+    for k, block in enumerate(model.blocks):
+        block.register_forward_pre_hook(functools.partial(forward_pre, k))
+        block.register_forward_hook(functools.partial(forward, k))
+    model.lm_head.register_forward_pre_hook(set_part("head"))
 
 
 @contextmanager
@@ -138,26 +189,108 @@ def activation_bytes(config, micro_batch, weight_dtype, autocast, checkpointed, 
     each gradient dropped as soon as it is accumulated, or with keep_grads kept, as they pile up
     while the activations are freed."""
     return simulated_activation_bytes(dataclasses.astuple(config), micro_batch, weight_dtype, autocast,
-                                      checkpointed, keep_grads)
+                                      checkpointed)[keep_grads]
 
 
-@functools.cache  # a plan asks for the same simulation several times, a 6.3B one takes seconds
-def simulated_activation_bytes(config_fields, micro_batch, weight_dtype, autocast, checkpointed, keep_grads):
+@functools.cache  # a plan asks for the same simulation several times
+def simulated_activation_bytes(config_fields, micro_batch, weight_dtype, autocast, checkpointed):
+    """(peak dropping each gradient, peak keeping them), from one run that keeps the gradients:
+    replayed_peaks drops each where it lands. Where the blocks are all alike (no layers that share
+    keys and values, no windows), three of them run and replayed_peaks plays the middle one for the
+    others: the peaks of running them all (tests/test_fsdp.py checks), in a fraction of the time."""
     config = GPTConfig(*config_fields)
+    step = micro_batch, weight_dtype, autocast, checkpointed
+    if config.n_layer > 3 and config.cla == 1 and not config.yoco and config.window is None:
+        three = simulated_events(dataclasses.replace(config, n_layer=3), *step)
+        if peaks := replayed_peaks(three, config.n_layer):
+            return peaks
+    return replayed_peaks(simulated_events(config, *step), config.n_layer)
+
+
+def simulated_events(config, micro_batch, weight_dtype, autocast, checkpointed):
+    """A Timeline's events over a forward and backward of micro_batch sequences, on fake tensors."""
     with FakeTensorMode():
         with default_dtype(weight_dtype):
             model = GPT(config)
         if checkpointed:
             parallel.checkpoint_blocks(model)
-        if not keep_grads:
-            for p in model.parameters():
-                p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+        timeline = Timeline(exclude=[*model.parameters(), *model.buffers()])
+        mark_parts(model, timeline)
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(timeline.landed)
         idx = torch.zeros(micro_batch, config.block_size, dtype=torch.long)
-        with LiveBytes(exclude=[*model.parameters(), *model.buffers()]) as live:
+        with timeline:
             with torch.autocast("cpu", torch.bfloat16) if autocast else nullcontext():
                 loss = model(idx, idx)[1]
             loss.backward()
-    return live.peak
+    return list(timeline.events)
+
+
+def replayed_peaks(events, n_layer):
+    """(peak dropping each gradient as it lands, peak keeping them) of a model of n_layer blocks,
+    from the events of a run of its n_layer blocks or of three. Of three, block 1's forward and
+    backward are played for each of blocks 1 to n_layer - 2 in turn. A storage that a block's part
+    frees of one other block is that of the block as far from it (a block's backward frees the
+    output of the block before); one that the head or the end frees, or a block's part frees of
+    several blocks, is freed of every block that they stand for (the forward's end frees each
+    layer's keys and values; under checkpointing, block 0's backward frees every block's input).
+    None where the blocks do not repeat so: a storage freed that is not alive, or one freed in the
+    run and not in the replay, or the other way round. The peak is the most bytes alive as a
+    storage is made (LiveBytes' after each op: between, storages are only freed)."""
+    runs = [(part, list(run)) for part, run in itertools.groupby(events, key=lambda event: event[1])]
+    blocks = 1 + max(part[1] for part, _ in runs if isinstance(part, tuple))
+    order = ["pre", *[("F", k) for k in range(blocks)], "head",
+             *[("B", k) for k in reversed(range(blocks))], "post"]
+    if blocks < n_layer and [part for part, _ in runs] != order:
+        return None
+
+    def stands_for(block):  # the blocks of the model that a block of the run stands for
+        if blocks == n_layer or block == 0:
+            return [block]
+        return [n_layer - 1] if block == blocks - 1 else list(range(1, n_layer - 1))
+
+    played = []  # (part of the run, part of the model, the run's events)
+    for part, run in runs:
+        if isinstance(part, str):
+            played.append((part, part, run))
+        else:
+            ks = stands_for(part[1])
+            played += [(part, (part[0], k), run) for k in (ks if part[0] == "F" else reversed(ks))]
+
+    frees_of = collections.defaultdict(set)  # (part, phase, n): the blocks whose storage it frees
+    for _, part, (made_in, n) in (event for event in events if event[0] != "new"):
+        if isinstance(made_in, tuple):
+            frees_of[part, made_in[0], n].add(made_in[1])
+
+    def freed_by(name, part, as_part):  # the model's storages that a free of name in the run frees
+        made_in, n = name
+        if isinstance(made_in, str):
+            return [name]
+        if isinstance(part, str) or len(frees_of[part, made_in[0], n]) > 1:
+            return [((made_in[0], k), n) for k in stands_for(made_in[1])]
+        return [((made_in[0], as_part[1] + made_in[1] - part[1]), n)]
+
+    peaks = []
+    for drop_grads in (True, False):
+        freed = {name for kind, _, name in events if kind == "free" or kind == "grad" and drop_grads}
+        alive, names, made, live, peak = {}, {}, collections.Counter(), 0, 0
+        for part, as_part, run in played:
+            for kind, _, value in run:
+                if kind == "new":
+                    storage = as_part, made[as_part]
+                    alive[storage], names[storage] = value, (part, made[as_part])
+                    made[as_part] += 1
+                    live += value
+                    peak = max(peak, live)
+                elif kind == "free" or drop_grads:
+                    for storage in freed_by(value, part, as_part):
+                        if storage not in alive:
+                            return None
+                        live -= alive.pop(storage)
+        if any((storage in alive) == (name in freed) for storage, name in names.items()):
+            return None
+        peaks.append(peak)
+    return tuple(peaks)
 
 
 @functools.cache
@@ -190,11 +323,17 @@ class Machine:
     fused_adamw: bool
 
 
+@functools.cache  # a plan reads a model's shapes many times
+def meta_model(config_fields):
+    """The model on the meta device, which allocates nothing."""
+    with torch.device("meta"):
+        return GPT(GPTConfig(*config_fields))
+
+
 def memory(config, cfg, gpus, micro_batch, fsdp, checkpointed, machine):
     """Bytes per GPU, by part: {weights, gradients, optimizer, activations, gathered, step, peak}
     (gathered: FSDP's whole blocks; step: the optimizer step's temporaries)."""
-    with torch.device("meta"):
-        model = GPT(config)
+    model = meta_model(dataclasses.astuple(config))
     params = dict(model.named_parameters())
     n_params = sum(p.numel() for p in params.values())
     adamw = (n_params if cfg.optimizer == "adamw" else
@@ -299,8 +438,7 @@ def plan_tables(config, cfg, args, machine):
              "hours with AC |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for attn in args.attn:
-        with torch.device("meta"):
-            model = GPT(variant_config(config, attn))
+        model = meta_model(dataclasses.astuple(variant_config(config, attn)))
         m, source = assumed_mfu(attn, args, mfu)
         h, h_ac = (hours(model, cfg, args.gpus, m, args.peak_tflops * 1e12, ac) for ac in (False, True))
         cache_mib = model.kv_cache_bytes(1, T, torch.bfloat16) / 2**20
@@ -338,8 +476,7 @@ def sizes_table(args, machine):
         config, cfg = recipe.parse_args([str(REPO / p) for p in presets] + args.flags)
         for attn in args.attn:
             c = variant_config(config, attn)
-            with torch.device("meta"):
-                model = GPT(c)
+            model = meta_model(dataclasses.astuple(c))
             cells = []
             for gib in args.gpu_memory_gib:
                 cell = "does not fit"
@@ -427,34 +564,37 @@ def measure(config, cfg, args):
 # ---------------------------------------------------------------------------------------------
 
 def gib_list(text):
+    """--gpu_memory_gib's values: GPU memories in GiB, distinct, comma-separated."""
     values = [float(v) for v in text.split(",")]
-    if not all(0 < v < math.inf for v in values):
-        raise argparse.ArgumentTypeError(f"{text}: GiB must be positive")
+    if not all(1 <= v <= 10_000 for v in values) or len(set(values)) < len(values):  # `not` refuses nan
+        raise argparse.ArgumentTypeError(f"{text}: must be a GPU's memory in GiB, from 1 to 10,000 "
+                                         "(distinct ones, comma-separated)")
     return values
 
 
-def positive(kind, most=math.inf):
-    def parse(text):
-        value = kind(text)
-        if not (0 < value <= most and value < math.inf):  # `not` also refuses nan
-            at_most = f", at most {most}" if most < math.inf else ""
-            raise argparse.ArgumentTypeError(f"{text}: must be positive{at_most}")
+def between(least, most):
+    """An argparse type: a number from least to most (neither nan nor inf)."""
+    def number(text):
+        value = float(text)
+        if not least <= value <= most:  # `not` also refuses nan
+            raise argparse.ArgumentTypeError(f"{text}: must be from {least:,g} to {most:,g}")
         return value
-    return parse
+    return number
 
 
 def main(argv=None):
     """Print the plan (or measure); the exit code: 0 done, 2 bad input."""
     parser = ArgumentParser(prog="plan.py", description=__doc__.strip().split("\n\n")[0],
                             allow_abbrev=False)
-    parser.add_argument("--gpus", type=positive(int), default=8)
+    parser.add_argument("--gpus", type=positive_int, default=8)
     parser.add_argument("--gpu_memory_gib", type=gib_list, default=[80.0, 141.0],
-                        help="the GPU's memory; comma-separated for several (default: 80,141)")
-    parser.add_argument("--peak_tflops", type=positive(float),
+                        help="the GPU's memory, 1-10,000; comma-separated for several (default: 80,141)")
+    parser.add_argument("--peak_tflops", type=between(1, 100_000),
                         default=dict(hardware.PEAK_BF16_FLOPS)["H200"] / 1e12,
-                        help="a GPU's dense bf16 peak (default: an H100's or H200's, PEAK_BF16_FLOPS)")
-    parser.add_argument("--mfu", type=positive(float, 1),
-                        help="model FLOPs utilisation, 0-1 (default: the H200 record's)")
+                        help="a GPU's dense bf16 peak, 1-100,000 (default: an H100's or H200's, "
+                        "PEAK_BF16_FLOPS)")
+    parser.add_argument("--mfu", type=between(0.01, 1),
+                        help="model FLOPs utilisation, 0.01-1 (default: the H200 record's)")
     parser.add_argument("--attn", type=variants, default=list(VARIANTS),
                         help="comma-separated variants (default: all)")
     parser.add_argument("--sizes", action="store_true", help="Table 1's four sizes, a line per variant")
@@ -463,6 +603,8 @@ def main(argv=None):
         args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
         if args.sizes and any(not r.startswith("--") for r in rest):
             raise ConfigError("--sizes plans the four sizes' presets: give no preset")
+        if args.sizes and args.measure:
+            raise ConfigError("--measure measures one configuration: not with --sizes")
         args.flags = rest
         config, cfg = recipe.parse_args(rest)
         gpus = int(os.environ.get("WORLD_SIZE", 1)) if args.measure else args.gpus
