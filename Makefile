@@ -55,11 +55,12 @@ $(VENV)/installed: requirements.txt requirements-fineweb.txt requirements-dev.tx
 # make test runs the whole suite once for each distinct precision policy of a CPU class (LRKV_CPU_CLASS,
 # lib/training/hardware.py: today fp32 everywhere, and bf16 training with fp32 decoding), whatever this
 # CPU's class, bf16 emulated where it has no bf16 unit: a test that holds on one class only fails on
-# every machine. Each pass on every core (pytest-xdist, at most 4 processes, one thread each).
+# every machine. Each pass on every core (pytest-xdist, at most 4 processes, one thread each), a test
+# file to a process, so that a file's module fixtures (trained runs, exports) are built once a pass.
 test: $(VENV)/installed
 	@status=0; for class in $$($(PY) -c "from lib.training.hardware import policy_classes; print(*policy_classes())"); do \
 		echo "make test: the suite under a $$class CPU's precision policy (LRKV_CPU_CLASS=$$class)"; \
-		env -u LRKV_PRECISION LRKV_CPU_CLASS=$$class $(PY) -m pytest -q -n auto --maxprocesses=4 --dist worksteal \
+		env -u LRKV_PRECISION LRKV_CPU_CLASS=$$class $(PY) -m pytest -q -n auto --maxprocesses=4 --dist loadfile \
 			|| status=1; done; exit $$status
 
 $(DEMO_DATA): | $(VENV)/installed
