@@ -34,7 +34,9 @@ from matplotlib.ticker import MaxNLocator
 from lib.training.checkpoint import check_writable, load_checkpoint, read_log
 from lib.training.configurator import ArgumentParser, ConfigError
 from lib.attention.convert import CALIBRATION_TOKENS, attention_input_covariances, shared_plus_low_rank
-from lib.attention.diversity import key_layers, layer_ranks, similarities
+from lib.attention.diversity import layer_ranks, similarities
+from lib.attention.heads import head_kv_weights
+from lib.attention.layout import key_layers, kv_cache_elements_per_token, kv_source, layer_window
 from lib.evaluation.runs import layout, legend_labels, provenance, run_order
 from lib.training.data import TrainBatches, atomic_open, read_shard, shard_paths, write_atomic
 
@@ -51,7 +53,7 @@ def rank_energy(model, covariances=None):
     deviation as those inputs see it, sum_h ||(W_h - W_shared) C^(1/2)||_F^2: what the whitened
     conversion keeps. None for a variant with no per-head projections or no spread."""
     try:
-        per_layer = [model.blocks[i].attn.head_kv_weights() for i in key_layers(model)]
+        per_layer = [head_kv_weights(model.blocks[i].attn) for i in key_layers(model)]
     except ValueError:
         return None
     energy = {"keys": [], "values": []}
@@ -135,7 +137,7 @@ def analyze(path):
     for block in model.blocks:
         block.attn.double()
     similarity = similarities(model)
-    kv_elements = model.kv_cache_elements_per_token()
+    kv_elements = kv_cache_elements_per_token(model)
     # the cache of one sequence at the model's context L, in bf16, against MHA's: windows keep less
     L = config.block_size
     kv_bytes = model.kv_cache_bytes(1, L, torch.bfloat16)
@@ -150,8 +152,8 @@ def analyze(path):
         "attn": config.attn,
         "n_layer": config.n_layer,
         "cla": config.cla,
-        "kv_sources": [config.kv_source(layer) for layer in range(config.n_layer)],  # whose keys each reads
-        "windows": [config.layer_window(layer) for layer in range(config.n_layer)],  # None: all positions
+        "kv_sources": [kv_source(config, layer) for layer in range(config.n_layer)],  # whose keys each reads
+        "windows": [layer_window(config, layer) for layer in range(config.n_layer)],  # None: all positions
         "layout": layout(config),
         # the layers whose keys the ranks are of: those that own keys, whose keys the others share
         "key_layers": key_layers(model),

@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from lib.attention import diversity
+from lib.attention import diversity, heads
+from lib.attention.layout import kv_cache_elements_per_token
 from lib.attention.decode import generate
 from lib.evaluation.downstream import repeated
+from lib.training.recipe import flops_per_token
 from model import GPT, GPTConfig, VARIANTS, norm, rms as cached_rms
 from references import (MIB, REFERENCES, TINY, Reference, cropped_greedy, naive_forward, small_key_model,
                         tiny_model, token_by_token)
@@ -132,10 +134,12 @@ def test_cla_layers_hold_queries_alone_and_cache_nothing(attn):
     for layer, (block, block_cla) in enumerate(zip(model.blocks, shared.blocks)):
         names = {name for name, _ in block_cla.attn.named_parameters()}
         if layer % 2:
-            assert names == {f"{w}.weight" for w in (*block.attn.query_weights, "W_o")}
+            assert names == {f"{w}.weight" for w in (*getattr(block.attn, "query_weights", ["W_q"]), "W_o")}
         else:
             assert names == {name for name, _ in block.attn.named_parameters()}
-    assert [bool(layer) for layer in shared.new_cache(1, 8).layers] == [True, False, True, False]
+    cache = shared.new_cache(1, 8)
+    assert [cache.length(layer) for layer in range(4)] == [8, 0, 8, 0]
+    assert [sum(buf.numel() for buf in layer.values()) for layer in cache.layers][1::2] == [0, 0]
     first_layers = model.new_cache(3, 32, device="meta").layers[::2]
     assert shared.kv_cache_bytes(3, 32) == sum(buf.nbytes for layer in first_layers for buf in layer.values())
 
@@ -145,7 +149,7 @@ def test_cla_2_halves_each_variants_cache_at_128m(attn):
     with torch.device("meta"):
         model, shared = GPT(GPTConfig(attn=attn)), GPT(GPTConfig(attn=attn, cla=2))
     assert 2 * shared.kv_cache_bytes(1, 2048, torch.bfloat16) == model.kv_cache_bytes(1, 2048, torch.bfloat16)
-    assert 2 * shared.kv_cache_elements_per_token() == model.kv_cache_elements_per_token()
+    assert 2 * kv_cache_elements_per_token(shared) == kv_cache_elements_per_token(model)
 
 
 @pytest.mark.parametrize("cla", [0, 3])
@@ -271,10 +275,10 @@ def test_kv_cache_bytes_of_the_128m_model(attn):
     mib = REFERENCES[attn].paper_cache_mib + REFERENCES[attn].decoder_extra_mib
     assert model.kv_cache_bytes(1, 2048, torch.bfloat16) == mib * MIB
     H, d_h, c = model.config.n_head, model.config.head_dim, model.config
-    assert model.kv_cache_elements_per_token() == cache_elements(attn, c)
+    assert kv_cache_elements_per_token(model) == cache_elements(attn, c)
     if attn == "lrkv":  # the paper's cache fraction 1/H + r/d_h = 52.6%, plus 1/(2 d_h) for the RMSs: 53.0%
         fraction = 1 / H + c.lrkv_rank / d_h + 1 / (2 * d_h)
-        assert model.kv_cache_elements_per_token() / (c.n_layer * 2 * H * d_h) == pytest.approx(fraction)
+        assert kv_cache_elements_per_token(model) / (c.n_layer * 2 * H * d_h) == pytest.approx(fraction)
 
 
 @pytest.mark.parametrize("attn", VARIANTS)
@@ -286,10 +290,10 @@ def test_generation_allocates_exactly_the_predicted_cache(attn, monkeypatch):
                         lambda *a, **k: allocated.append(new_cache(*a, **k)) or allocated[-1])
     with torch.autocast("cpu", dtype=torch.bfloat16):
         generate(model, torch.zeros(3, 4, dtype=torch.long), 6)
-    buffers = allocated[0].buffers()
+    buffers = [buf for layer in allocated[0].layers for buf in layer.values()]
     assert all(b.dtype == torch.bfloat16 and b.shape[:2] == (3, 10) for b in buffers)
     assert sum(b.numel() * b.element_size() for b in buffers) == model.kv_cache_bytes(3, 10, torch.bfloat16)
-    elements = 3 * 10 * model.kv_cache_elements_per_token()
+    elements = 3 * 10 * kv_cache_elements_per_token(model)
     assert model.kv_cache_bytes(3, 10, torch.bfloat16) == 2 * elements
 
 
@@ -297,7 +301,7 @@ def test_caches_default_to_the_weights_dtype():
     model = tiny_model("lrkv")
     for dtype in (torch.float32, torch.bfloat16):
         model.to(dtype)
-        assert {b.dtype for b in model.new_cache(2, 8).buffers()} == {dtype}
+        assert {b.dtype for layer in model.new_cache(2, 8).layers for b in layer.values()} == {dtype}
         assert model.kv_cache_bytes(2, 8) == model.kv_cache_bytes(2, 8, dtype)
 
 
@@ -315,7 +319,7 @@ def test_parameter_and_flop_counts_follow_each_variants_formula(attn):
         params += kv + W_q + c.n_head * c.head_dim * c.n_embd + 8 * c.n_embd ** 2
         attention += c.n_head * (macs[0] if macs else d_qk + c.head_dim) * T
     assert model.get_num_params() == 2 * c.vocab_size * c.n_embd + params
-    assert model.flops_per_token(T) == 6 * (c.vocab_size * c.n_embd + params) + 6 * attention
+    assert flops_per_token(model, T) == 6 * (c.vocab_size * c.n_embd + params) + 6 * attention
 
 
 @pytest.mark.parametrize("attn", VARIANTS)
@@ -331,10 +335,10 @@ def test_head_qk_grams_are_the_pair_products_of_each_variants_head_maps(attn):
             basis = torch.eye(c.n_embd, dtype=torch.float64)
             Mq = layer.W_q(basis).view(c.n_embd, c.n_head, layer.qk_dim).transpose(0, 1)  # (H, d, d_qk)
             Mk = REFERENCES[attn].head_keys(layer, basis, c).transpose(0, 1)
-            torch.testing.assert_close(layer.head_key_weights(), Mk, atol=1e-12, rtol=1e-12)
+            torch.testing.assert_close(heads.head_key_weights(layer), Mk, atol=1e-12, rtol=1e-12)
         else:
             Mq, Mk = REFERENCES[attn].head_keys(layer, None, c)  # (H, D, d_qk), q_h = features(x) @ Mq[h]
-        for P, M in zip(layer.head_qk_grams(diversity.pair_products), (Mq, Mk)):
+        for P, M in zip(heads.head_qk_grams(layer, diversity.pair_products), (Mq, Mk)):
             torch.testing.assert_close(torch.as_tensor(P), torch.einsum("hxa,gxb->hagb", M, M), atol=1e-10,
                                        rtol=1e-10)
 

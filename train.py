@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from lib.attention.convert import load_init_checkpoint
 from lib.attention.diversity import weight_ranks
+from lib.attention.layout import kv_cache_elements_per_token
 from lib.evaluation import downstream
 from lib.training.checkpoint import (EVALS, WriteError, checkpoint_dict, claim_out_dir, load_checkpoint,
                                      load_resume_checkpoint, log, log_eval, restore, save_checkpoint,
@@ -40,7 +41,8 @@ from lib.training.configurator import ConfigError
 from lib.training.data import get_tokenizer, load_data
 from lib.training.hardware import check_environment, decoding_dtype, peak_flops, pick_device
 from lib.training.parallel import gathered, process_group, world
-from lib.training.recipe import backward, build, optimizer_step, parse_args, precision_line, run_dtype
+from lib.training.recipe import (backward, build, flops_per_token, optimizer_step, parse_args, precision_line,
+                                 run_dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,7 +117,7 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
     accum_steps = cfg.batch_size // world_size // micro_batch
     tokens_per_step = cfg.batch_size * T
     last_step = min(cfg.max_steps, cfg.stop_after or cfg.max_steps)
-    flops_per_step = raw_model.flops_per_token(T) * tokens_per_step
+    flops_per_step = flops_per_token(raw_model, T) * tokens_per_step
     peak = peak_flops(device)
     out_dir, ckpt_path = Path(cfg.out_dir), Path(cfg.out_dir) / "ckpt.pt"
     if is_main:
@@ -127,7 +129,7 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
         parallel = "FSDP" if cfg.fsdp else "DDP" if world_size > 1 else "one process"
         recompute = ", activation checkpointing" if cfg.checkpoint_activations else ""
         print(f"{model_config.attn}: {n_params / 1e6:.1f}M parameters, {model_config.n_layer} layers "
-              f"caching {raw_model.kv_cache_elements_per_token()} elements per token | "
+              f"caching {kv_cache_elements_per_token(raw_model)} elements per token | "
               f"{world_size} x {device.type} ({parallel}{recompute}), {dtype}, compile {compile} | "
               f"{cfg.batch_size} x {T} = {tokens_per_step:,} tokens a step in {accum_steps} micro step(s) of "
               f"{micro_batch} per process | steps {step} -> {last_step} of {cfg.max_steps}", flush=True)

@@ -12,6 +12,8 @@ from typing import Callable
 import pytest
 import torch
 
+from lib.attention.layout import key_layers
+from lib.attention.ring import RingKVCache
 from model import GPT, GPTConfig
 
 TINY = GPTConfig(
@@ -127,8 +129,12 @@ def grouped_head_keys(layer, x, c):
     return layer.W_k(x).view(len(x), G, c.head_dim).repeat_interleave(c.n_head // G, dim=1)
 
 
-def lrkv_head_keys(layer, x, c):
-    return layer.key_parts(x[None])[2][0]
+def lrkv_head_keys(layer, x, c):  # K_h = X W_shared^K + (X U_h^K)(B_h^K)^T, per head (its own rank)
+    r = layer.lrkv_rank
+    residual_coords = layer.U_k(x).view(len(x), -1, r)  # (N, H, r): X U_h
+    B = layer.B_k.view(-1, c.head_dim, r)  # (H, d_h, r)
+    residual_coords = residual_coords.repeat_interleave(B.size(0) // residual_coords.size(1), dim=1)
+    return layer.W_shared_k(x)[:, None] + torch.einsum("nhr,hdr->nhd", residual_coords, B)
 
 
 def mla_head_keys(layer, x, c):  # the latent norm taken as identity
@@ -435,12 +441,15 @@ def naive_forward(model, idx):
 
 # Decoding as the tests drive it, and its reference
 
-def token_by_token(model, idx, prefix, dtype=torch.float32, cache_for_steps=lambda cache: cache):
-    """idx's logits from position prefix on: a prompt of prefix tokens into a fresh cache, then each
-    token through cache_for_steps(cache) (decode.py's caches over the same buffers)."""
-    cache = model.new_cache(idx.size(0), idx.size(1), dtype=dtype)
+def token_by_token(model, idx, prefix, dtype=torch.float32, cache_for_steps=None, cache_class=None):
+    """idx's logits from position prefix on: a prompt of prefix tokens into a fresh cache (new_cache's, or
+    cache_class), then each token through cache_for_steps(cache) (decode.py's views over a RingKVCache,
+    which they take by default)."""
+    if cache_for_steps is not None:
+        cache_class = cache_class or RingKVCache
+    cache = model.new_cache(idx.size(0), idx.size(1), dtype=dtype, cache_class=cache_class)
     model(idx[:, :prefix], cache=cache)
-    cache = cache_for_steps(cache)
+    cache = cache if cache_for_steps is None else cache_for_steps(cache)
     return torch.cat([model(idx[:, t:t + 1], cache=cache)[0] for t in range(prefix, idx.size(1))], dim=1)
 
 
@@ -451,14 +460,13 @@ def small_key_model(attn, **overrides):
     model = tiny_model(attn, **overrides).to(torch.bfloat16)
     with torch.no_grad():
         for name in REFERENCES[attn].key_weights:
-            for block in model.blocks:
-                if block.attn.owns_kv:
-                    getattr(block.attn, name).weight.mul_(0.03)
+            for layer in key_layers(model):
+                getattr(model.blocks[layer].attn, name).weight.mul_(0.03)
     return model
 
 
 def cropped_greedy(model, idx, n):
-    """idx and n greedy tokens, each from a full forward pass over the context that GPT.stream
+    """idx and n greedy tokens, each from a full forward pass over the context that GPT.generate
     documents: the last block_size tokens at most, starting again from the most recent half
     (rounded up) whenever it would outgrow block_size."""
     L = model.config.block_size

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lib.attention import convert
+from lib.attention.heads import head_kv_weights
 
 from model import GPT, VARIANTS
 from references import TINY, tiny_model
@@ -44,7 +45,7 @@ def converts_within_reach(attn, covariances):
             assert torch.equal(ours[name], theirs[name]), name
     for layer, (block, source) in enumerate(zip(model.blocks, mha.blocks)):
         C = None if covariances is None else covariances[layer]
-        for got, heads in zip(block.attn.head_kv_weights(), source.attn.head_kv_weights()):
+        for got, heads in zip(head_kv_weights(block.attn), head_kv_weights(source.attn)):
             mean = heads.mean(0, keepdim=True).expand_as(heads)
             assert per_head_error(got, heads, C) <= per_head_error(mean, heads, C) * (1 + 1e-9)
 

@@ -1,7 +1,7 @@
 """Tests of decode.py: every registered single-token step equals the plain equation at every step of
 a decode, builds no cached position's key, and decodes what the full forward gives; the fixed-shape
 step gives the eager step's logits, is one graph at every position, and compiled by inductor gives
-eager's tokens through GPT.stream's step, past the model's context too."""
+eager's tokens through GPT.generate's step, past the model's context too."""
 
 import pytest
 import torch
@@ -10,7 +10,8 @@ from lib.attention import decode
 
 from lib.attention.decode import (ExactKVCache, FixedKVCache, compiled_decode, compiled_step, exact_step,
                                   generate)
-from model import GPT, LowRankKVAttention, VARIANTS
+from lib.attention.ring import RingKVCache
+from model import LowRankKVAttention, VARIANTS
 from references import REFERENCES, TINY, cropped_greedy, small_key_model, tiny_model, token_by_token
 
 
@@ -23,7 +24,7 @@ def exact_steps(model, idx, prefix, dtype=torch.float32):
 def fixed_steps(model, idx, prefix, step):
     """idx's logits from position prefix on: a prompt of prefix tokens, then each token through
     step(model, token, cache) on a fixed-shape cache, advancing its position."""
-    cache = model.new_cache(idx.size(0), idx.size(1))
+    cache = model.new_cache(idx.size(0), idx.size(1), cache_class=RingKVCache)
     model(idx[:, :prefix], cache=cache)
     cache = FixedKVCache(cache)
     logits = []
@@ -98,7 +99,7 @@ def test_single_token_steps_build_keys_of_their_own_token_only(attn, monkeypatch
         monkeypatch.setattr(owner, name, spied)
     idx = torch.randint(0, TINY.vocab_size, (2, 64))
     with torch.no_grad():
-        cache = model.new_cache(2, 64, dtype=torch.float32)
+        cache = model.new_cache(2, 64, dtype=torch.float32, cache_class=RingKVCache)
         model(idx[:, :8], cache=cache)
         positions.clear()
         for t in range(8, 64):
@@ -109,7 +110,7 @@ def test_single_token_steps_build_keys_of_their_own_token_only(attn, monkeypatch
 @pytest.mark.parametrize("attn", VARIANTS)
 def test_greedy_generation_through_exact_steps_is_the_uncached_argmax_loop(attn):
     """generate(step=exact_step) gives the greedy tokens of a full forward per token, the context
-    cropped as GPT.stream documents, over more than twice block_size. In float64: no near-tie
+    cropped as GPT.generate documents, over more than twice block_size. In float64: no near-tie
     between two logits can make a token differ."""
     model = tiny_model(attn).double()
     prompt = torch.randint(0, TINY.vocab_size, (2, 5))
@@ -142,7 +143,7 @@ def test_fixed_shape_steps_equal_the_full_forward(attn, cla):
     idx = torch.randint(0, TINY.vocab_size, (2, 24))
     with torch.no_grad():
         full = model(idx)[0]
-        stepped = fixed_steps(model, idx, 6, GPT.last_logits)
+        stepped = fixed_steps(model, idx, 6, decode.last_logits)
     assert (stepped - full[:, 6:]).abs().max() < 1e-4
 
 
@@ -153,19 +154,19 @@ def test_the_fixed_shape_step_is_one_graph_at_every_position(attn):
     model = tiny_model(attn)
     idx = torch.randint(0, TINY.vocab_size, (2, 24))
     torch._dynamo.reset()
-    traced = torch.compile(GPT.last_logits, backend="aot_eager", fullgraph=True)
+    traced = torch.compile(decode.last_logits, backend="aot_eager", fullgraph=True)
     with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
-        assert torch.equal(fixed_steps(model, idx, 6, traced), fixed_steps(model, idx, 6, GPT.last_logits))
+        assert torch.equal(fixed_steps(model, idx, 6, traced), fixed_steps(model, idx, 6, decode.last_logits))
         fixed_steps(model, idx, 9, traced)  # a new cache, another starting position: the same graph
 
 
 def test_fixed_shape_decoding_past_the_cache_is_one_line(monkeypatch):
     """The fixed-shape cache counts its free positions on the host: the step after the last one is
     refused before it runs (eager steps here: the check is compiled_decode's, outside the graph)."""
-    monkeypatch.setattr(decode, "compiled_step", GPT.last_logits)
+    monkeypatch.setattr(decode, "compiled_step", decode.last_logits)
     model = tiny_model("mha")
     token = torch.randint(0, TINY.vocab_size, (1, 1))
-    cache = model.new_cache(1, 8)
+    cache = model.new_cache(1, 8, cache_class=RingKVCache)
     with torch.no_grad():
         model(token.repeat(1, 6), cache=cache)
         for _ in range(2):
@@ -191,5 +192,5 @@ def test_compiled_generation_is_eager_generation(attn):
         idx = torch.randint(0, TINY.vocab_size, (2, TINY.block_size))
         with torch.no_grad():
             compiled = fixed_steps(model, idx, 26, compiled_step)
-            eager = fixed_steps(model, idx, 26, GPT.last_logits)
+            eager = fixed_steps(model, idx, 26, decode.last_logits)
     assert (compiled - eager).abs().max() < 1e-6

@@ -23,6 +23,7 @@ import sample
 import test_model
 import train
 from lib.attention import rivals
+from lib.attention.layout import kv_cache_elements_per_token
 from model import GPT, GPTConfig, VARIANTS, attention_class
 from references import REFERENCES, TINY, tiny_model, tpa_head_maps
 from test_decode import exact_steps
@@ -53,7 +54,7 @@ def test_each_cache_is_its_papers_formula_at_128m(attn):
     with torch.device("meta"):
         model = GPT(GPTConfig(attn=attn))
     paper, extra = PAPER_CACHE[attn]
-    per_layer = model.kv_cache_elements_per_token() / model.config.n_layer
+    per_layer = kv_cache_elements_per_token(model) / model.config.n_layer
     assert per_layer == paper + extra
     assert model.kv_cache_bytes(1, 2048, torch.bfloat16) == 12 * 2048 * 2 * (paper + extra)
     mha = 2 * 6 * 128

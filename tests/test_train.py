@@ -452,11 +452,11 @@ def test_calibration_records_the_normalised_inputs_each_attention_sees(data_dir)
     windows = batches.get(3, 0, 4, 0, 1)[0]
     with torch.no_grad():
         # GPT normalises the embedding, then each block its input to the attention
-        x, expected, kvs = F.rms_norm(model.double().wte(windows), (TINY["n_embd"],)), [], {}
+        x, expected = F.rms_norm(model.double().wte(windows), (TINY["n_embd"],)), []
         for block in model.blocks:
             X = F.rms_norm(x, (TINY["n_embd"],)).flatten(0, 1)  # (4 * 32, d)
             expected.append(X.T @ X / len(X))
-            x = block(x, model.rope.double(), kvs=kvs)
+            x = block(x, model.rope.double())
     assert len(covariances) == len(expected) == TINY["n_layer"]
     for C, C_expected in zip(covariances, expected):
         assert C.dtype == torch.float64

@@ -31,7 +31,8 @@ import test_decode
 import test_model
 import test_window
 import train
-from lib.attention import convert, decode
+from lib.attention import convert, decode, heads
+from lib.attention.ring import masked_softmax
 import model
 from model import GroupedQueryAttention, LowRankKVAttention, apply_rope, norm, rms
 from references import KEY_RMS_MIB, Reference
@@ -60,10 +61,11 @@ class InterleavedGroupedQueryAttention(GroupedQueryAttention):
     def cached_keys_values(self, rope, k, v):
         return self.tiled(k, v)
 
-    def head_kv_weights(self):
-        tiles = self.n_head // self.n_kv_head
-        return tuple(W.weight.view(self.n_kv_head, self.head_dim, -1).repeat(tiles, 1, 1)
-                     for W in (self.W_k, self.W_v))
+
+def interleaved_head_kv_weights(attn):
+    tiles = attn.n_head // attn.n_kv_head
+    G, d_h = attn.n_kv_head, attn.head_dim
+    return tuple(W.weight.view(G, d_h, -1).repeat(tiles, 1, 1) for W in (attn.W_k, attn.W_v))
 
 
 def load_interleaved_head_kv_weights(attn, W_K, W_V, C=None):
@@ -84,6 +86,11 @@ class LowRankKeyAttention(LowRankKVAttention):
         super().__init__(config, layer)
         del self.U_v, self.B_v  # LRKV's value residual, which LRK does without
 
+    def key_parts(self, x):
+        """K_shared = X W_shared, R^K = X U_h and every head's K_h = K_shared + R_h^K (B_h^K)^T."""
+        k_shared, r_k = self.W_shared_k(x), self.residual_coords(self.U_k, x)
+        return k_shared, r_k, k_shared.unsqueeze(2) + self.residual(r_k, self.B_k)
+
     def keys_values(self, x, rope):
         k = self.key_parts(x)[2]  # (B, T, H, d_h): K_h
         return apply_rope(norm(k), rope), self.values(self.W_shared_v(x))
@@ -103,16 +110,17 @@ class LowRankKeyAttention(LowRankKVAttention):
     def cached_keys_values(self, rope, k_shared, r_k, rho, v_shared):
         return self.keys(k_shared, r_k, rho, rope), self.values(v_shared)
 
-    def head_kv_weights(self):
-        H, d_h, r = self.n_head, self.head_dim, self.lrkv_rank
-        residuals = torch.einsum("hdr,hrc->hdc", self.B_k.view(H, d_h, r), self.U_k.weight.view(H, r, -1))
-        return self.W_shared_k.weight + residuals, self.W_shared_v.weight.expand(H, -1, -1)  # (H, d_h, d)
+
+def lrk_head_kv_weights(attn):
+    H, d_h, r = attn.n_head, attn.head_dim, attn.lrkv_rank
+    residuals = torch.einsum("hdr,hrc->hdc", attn.B_k.view(H, d_h, r), attn.U_k.weight.view(H, r, -1))
+    return attn.W_shared_k.weight + residuals, attn.W_shared_v.weight.expand(H, -1, -1)  # (H, d_h, d)
 
 
 def lrk_step(attn, q, cached, rope, mask):
     """LRKV's exact key scores, then the one shared value: a_h V_shared."""
     scores = decode.key_scores(attn, q, cached["k_shared"], cached["r_k"], cached["rho"], rope)  # (B, H, S)
-    return (model.masked_softmax(scores, mask, q.dtype) @ cached["v_shared"]).unsqueeze(1)
+    return (masked_softmax(scores, mask, q.dtype) @ cached["v_shared"]).unsqueeze(1)
 
 
 def load_lrk_head_kv_weights(attn, W_K, W_V, C=None):
@@ -148,8 +156,8 @@ class GroupedLowRankKVAttention(LowRankKVAttention):
 
     @classmethod
     def check(cls, config):
-        super().check(config)
-        GroupedQueryAttention.check(config)
+        if config.n_head % config.n_kv_head:
+            config.reject("n_kv_head", f"a divisor of n_head = {config.n_head}")
 
     def per_head(self, R):
         """The residual each head reads, (B, S, G, r) -> (B, S, H, r): residual g read by heads g H / G
@@ -163,13 +171,14 @@ class GroupedLowRankKVAttention(LowRankKVAttention):
         residuals = (self.n_groups, self.lrkv_rank)
         return {**super().cache_shapes(), "r_k": residuals, "r_v": residuals}
 
-    def head_kv_weights(self):
-        H, G, d_h, r = self.n_head, self.n_groups, self.head_dim, self.lrkv_rank
 
-        def heads(W_shared, U, factor):
-            U_t = U.weight.view(G, r, -1).repeat_interleave(H // G, dim=0)  # (H, r, d)
-            return W_shared.weight + torch.einsum("hdr,hrc->hdc", factor.view(H, d_h, r), U_t)
-        return heads(self.W_shared_k, self.U_k, self.B_k), heads(self.W_shared_v, self.U_v, self.B_v)
+def grouped_lrkv_head_kv_weights(attn):
+    H, G, d_h, r = attn.n_head, attn.n_groups, attn.head_dim, attn.lrkv_rank
+
+    def heads(W_shared, U, factor):
+        U_t = U.weight.view(G, r, -1).repeat_interleave(H // G, dim=0)  # (H, r, d)
+        return W_shared.weight + torch.einsum("hdr,hrc->hdc", factor.view(H, d_h, r), U_t)
+    return heads(attn.W_shared_k, attn.U_k, attn.B_k), heads(attn.W_shared_v, attn.U_v, attn.B_v)
 
 
 def grouped_lrkv_step(attn, q, cached, rope, mask):
@@ -277,13 +286,17 @@ def variant(request, monkeypatch):
     """One of the variants above, registered under its --attn name for one test: its name."""
     name, (cls, reference, legend) = request.param, VARIANTS[request.param]
     monkeypatch.setitem(model.VARIANTS, name, cls)
-    # the steps and conversions of the variants above that have their own, in decode.py's and convert.py's
-    # tables
+    # the steps, conversions and head maps of the variants above that have their own, in decode.py's,
+    # convert.py's and heads.py's tables
     own = ((LowRankKeyAttention, lrk_step, load_lrk_head_kv_weights),
            (GroupedLowRankKVAttention, grouped_lrkv_step, load_grouped_lrkv_head_kv_weights))
     for cls, step, load in own:
         monkeypatch.setitem(decode.STEPS, cls, step)
         monkeypatch.setitem(convert.LOAD_HEAD_KV_WEIGHTS, cls, load)
+    for cls, maps in ((InterleavedGroupedQueryAttention, interleaved_head_kv_weights),
+                      (LowRankKeyAttention, lrk_head_kv_weights),
+                      (GroupedLowRankKVAttention, grouped_lrkv_head_kv_weights)):
+        monkeypatch.setitem(heads.HEAD_KV_WEIGHTS, cls, maps)
     monkeypatch.setitem(references.REFERENCES, name, reference)
     monkeypatch.setitem(runs.LEGEND, name, legend)
     return name

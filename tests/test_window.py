@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lib.attention.decode import ExactKVCache, FixedKVCache, exact_step, generate
+from lib.attention.ring import RingKVCache
 from model import VARIANTS, GPTConfig
 from references import TINY, cropped_greedy, naive_forward, tiny_model, token_by_token
 
@@ -39,7 +40,7 @@ def test_the_full_forward_is_the_reference_that_masks_by_hand(attn):
 def fixed_steps(model, idx, prefix):
     """token_by_token through a FixedKVCache, whose position moves outside the step (as compiled_decode
     moves it)."""
-    cache = model.new_cache(idx.size(0), idx.size(1))
+    cache = model.new_cache(idx.size(0), idx.size(1), cache_class=RingKVCache)
     model(idx[:, :prefix], cache=cache)
     cache, logits = FixedKVCache(cache), []
     for t in range(prefix, idx.size(1)):
@@ -89,7 +90,7 @@ def test_text_that_outgrows_the_context_decodes_as_the_full_forward(attn):
 
 def test_a_token_more_than_w_positions_back_does_not_reach_a_local_layer():
     model = model_of("lrkv", "window")
-    assert model.blocks[0].attn.window == W and model.blocks[1].attn.window is None
+    assert model.layout.windows[:2] == [W, None]
     outputs = []
     hooks = [model.blocks[layer].attn.register_forward_hook(lambda m, args, out: outputs.append(out))
              for layer in (0, 1)]
@@ -118,7 +119,7 @@ def test_a_local_layer_keeps_a_ring_of_w_positions_and_the_bytes_follow_the_form
                           ("yoco", {0: None, 1: None, 2: None}), ("all", {0: W, 2: None})):
         model = model_of(attn, layout).float()
         cache = model.new_cache(2, 30, device="meta")
-        assert [layer for layer, held in enumerate(cache.layers) if held] == list(spans)
+        assert [layer for layer in range(4) if cache.length(layer)] == list(spans)
         for layer, span in spans.items():
             assert {buf.size(1) for buf in cache.layers[layer].values()} == {span or 30}
         for S in (3, W, 17, 32):

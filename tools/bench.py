@@ -56,10 +56,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from lib.training.checkpoint import check_writable
 from lib.training.configurator import ArgumentParser, ConfigError
 from lib.attention.decode import ExactKVCache, FixedKVCache, compiled_step, exact_step, generate
+from lib.attention.ring import RingKVCache
 from lib.training.hardware import DEVICES, PRECISION_NAMES, USES, peak_flops, pick_device, precision
 from model import GPT, GPTConfig, VARIANTS
 from lib.training.data import atomic_open
-from lib.training.recipe import TrainConfig, configure_optimizers, optimizer_step
+from lib.training.recipe import TrainConfig, configure_optimizers, flops_per_token, optimizer_step
 
 PRESETS = {
     # The paper's 128M model and batch: 16 x 2048 tokens a step. Decoding a batch of 16 makes
@@ -219,7 +220,7 @@ def bench_train(config, preset, device, dtype, ns_dtype, compile, profile):
     ms = 1000 * statistics.median(steps[preset["warmup"]:])
     tokens_per_s = B * T * 1000 / ms
     peak = peak_flops(device)
-    mfu = model.flops_per_token(T) * tokens_per_s / peak if peak else None
+    mfu = flops_per_token(model, T) * tokens_per_s / peak if peak else None
     memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return dict(ms_per_step=ms, optimizer_ms=1000 * statistics.median(optimizer_times[preset["warmup"]:]),
                 tokens_per_s=tokens_per_s, mfu=mfu, max_memory_gib=memory, sdpa=sdpa)
@@ -250,7 +251,7 @@ def bench_decode(configs, preset, device, dtype, compiled, measured=lambda rows:
         prompt = torch.randint(vocab_size, (B, L - DECODE_WARMUP - n), device=device)
         state = {}
         for attn, model in models.items():
-            cache = model.new_cache(B, L, dtype)
+            cache = model.new_cache(B, L, dtype, cache_class=RingKVCache)
             if random_caches:
                 token = fill_randomly(model, cache, prompt)
             else:
@@ -274,7 +275,7 @@ def bench_decode(configs, preset, device, dtype, compiled, measured=lambda rows:
         fixed = compiled_rounds(models, state, n, device) if compiled else {}
         for attn, (cache, _, _, alone, back_to_back) in state.items():
             ms = 1000 * statistics.median(back_to_back)
-            mib = sum(buf.nbytes for buf in cache.buffers()) / MIB
+            mib = sum(buf.nbytes for layer in cache.cache.layers for buf in layer.values()) / MIB
             compiled_ms, compile_s = fixed.get(attn, (None, None))
             rows[attn].append(dict(batch_size=B, context=L, ms_per_token=ms, tokens_per_s=B * 1000 / ms,
                                    step_alone_ms_per_token=1000 * statistics.median(alone), cache_mib=mib,

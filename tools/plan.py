@@ -34,7 +34,7 @@ it. The largest micro-batch that fits divides the GPU's share of the batch, as t
 requires. torch.compile (on CUDA by default) allocates less: docs/scaling.md compares the plan
 with the H200 record and with peaks measured on a CPU.
 
-Time: the preset's tokens x GPT.flops_per_token at an MFU, by default each variant's from the
+Time: the preset's tokens x recipe.flops_per_token at an MFU, by default each variant's from the
 H200 record (docs/bench/h200-train.json: 128M, one GPU, compiled), on GPUs of --peak_tflops.
 Activation checkpointing adds the blocks' forward again to the same hardware throughput.
 
@@ -70,6 +70,7 @@ from lib.training import muon
 from lib.training import parallel
 
 from lib.training import recipe
+from lib.training.recipe import flops_per_token
 from tools.bench import variants
 from lib.training.configurator import ArgumentParser, ConfigError, positive_int
 from model import GPT, GPTConfig, VARIANTS
@@ -399,7 +400,7 @@ def hours(model, cfg, gpus, mfu, peak_flops, checkpointed):
     """Hours for the run's tokens at mfu of gpus x peak_flops; with checkpointing the blocks'
     forward (a third of their 6 FLOPs per weight, and of attention's) runs twice."""
     T = model.config.block_size
-    flops = model.flops_per_token(T)
+    flops = flops_per_token(model, T)
     if checkpointed:
         flops += (flops - 6 * model.lm_head.weight.numel()) / 3
     return cfg.max_steps * cfg.batch_size * T * flops / (gpus * peak_flops * mfu) / 3600
@@ -443,7 +444,7 @@ def plan_tables(config, cfg, args, machine):
         h, h_ac = (hours(model, cfg, args.gpus, m, args.peak_tflops * 1e12, ac) for ac in (False, True))
         cache_mib = model.kv_cache_bytes(1, T, torch.bfloat16) / 2**20
         lines.append(f"| {attn} | {model.get_num_params() / 1e9:.3f}B | {cache_mib:.1f} MiB | "
-                     f"{model.flops_per_token(T) / 1e9:.2f} | {100 * m:.1f}% ({source}) | {h:,.0f} | "
+                     f"{flops_per_token(model, T) / 1e9:.2f} | {100 * m:.1f}% ({source}) | {h:,.0f} | "
                      f"{h_ac:,.0f} |")
     micro = min(cfg.micro_batch_size, cfg.batch_size // args.gpus)
     fits = " | ".join(f"largest micro-batch, {g:g} GiB" for g in args.gpu_memory_gib)

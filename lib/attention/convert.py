@@ -3,8 +3,8 @@ A new run from a trained model (train.py --init_from): its weights converted to 
 variant, calibrated on the inputs its attention sees, and optionally distilled from it.
 
 Every layer converts in two steps: the source's H per-head key and value projections, (W_K, W_V) =
-attn.head_kv_weights() (model.Attention's; a variant without per-head projections, MLA, is refused in
-one line), and LOAD_HEAD_KV_WEIGHTS[cls](attn, W_K, W_V, C), registered here by the target's class
+heads.head_kv_weights(attn) (lib/attention/heads.py; a variant without per-head projections, MLA, is
+refused in one line), and LOAD_HEAD_KV_WEIGHTS[cls](attn, W_K, W_V, C), registered here by the target's class
 (a subclass inherits its parent's, looked up along the MRO), which builds its keys and values closest
 to them; a variant without one is refused in one line. Everything else carries over as it is:
 embeddings, queries, output projections and MLPs. docs/convert.md has the results.
@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from lib.training.checkpoint import load_checkpoint
 from lib.training.configurator import ConfigError
-from lib.attention.decode import registered
+from lib.attention.heads import head_kv_weights, registered
+from lib.attention.layout import key_layers
 from model import GPT, GroupedQueryAttention, LowRankKVAttention, MultiHeadLatentAttention
 
 # train.py --init_from's default calibration (its --calibration_tokens), which analyze.py's
@@ -136,9 +137,9 @@ def convert(model, source, covariances=None):
         model.load_state_dict(theirs)
         return
     covariances = covariances or [None] * len(model.blocks)
-    for block, source_block, C in zip(model.blocks, source.blocks, covariances):
-        if block.attn.owns_kv:
-            load_head_kv_weights(block.attn, model.config.attn, *source_block.attn.head_kv_weights(), C)
+    for layer in key_layers(model):
+        weights = head_kv_weights(source.blocks[layer].attn)
+        load_head_kv_weights(model.blocks[layer].attn, model.config.attn, *weights, covariances[layer])
     kept = ("wte.", "lm_head.", ".mlp.", ".attn.W_q.", ".attn.W_o.")
     model.load_state_dict({k: v for k, v in theirs.items() if any(part in f".{k}" for part in kept)},
                           strict=False)

@@ -1,40 +1,38 @@
 """
-Decoding: the sampling loop (generate, stream), and decoding fast: the optimised single-token steps
-of the variants that cache less than their keys and values (here LRKV's and MLA's, the rivals' in
-lib/attention/rivals.py), each beside the plain equation it equals, and the step on fixed shapes,
-compiled.
+Decoding fast: the optimised single-token steps of the variants that cache less than their keys and
+values (here LRKV's and MLA's, the rivals' in rivals.py), each beside the plain equation it equals; the
+caches that run them; and stream, the sampling loop with a choice of cache and step.
 
-model.py decodes by the plain cached path: KVCache.attend rebuilds every cached position's keys
-and values from the cache (the variant's cached_keys_values) and attends as training does. A new
-token needs less: here a variant's exact single-token step reads the cache as it is. STEPS, at the
-end of this file, lists every variant's by class, each a function
+model.py decodes by the plain cached path: KVCache.attend rebuilds every cached position's keys and
+values from the cache (the variant's cached_keys_values) and attends as training does. A new token
+needs less: a variant's exact single-token step reads the cache as it is. STEPS, at the end of this
+file, lists every variant's by class, each a function
 
     def lrkv_step(attn, q, cached, rope, mask): ...
 
-of q (B, 1, H, d_qk) is the new token's normalised, rotated query; cached {name: (B, S, *shape)}
-every position's cache entries, the new token's included; rope (S, rope_dim) their RoPE rows;
-mask None (all S visible) or (1, S) bool, the positions the token may see. The step returns the
-attention output (B, 1, H, d_v), before W_o, and must equal reference_step, the plain equation,
-which the tests check at every step of a decode. A subclass inherits its parent's step (looked up
-along the MRO); an entry of None gives it the plain cached path instead. A variant with no
-step (MHA, GQA, MQA: their cache holds the keys and values themselves) decodes by the plain path.
-In a CLA group, a later layer's queries run the step of the group's first layer, which wrote the
-entries.
+of q (B, 1, H, d_qk) the new token's normalised, rotated query; cached {name: (B, S, *shape)} every
+position's cache entries, the new token's included; rope (S, rope_dim) their RoPE rows; mask None (all
+S visible) or (1, S) bool, the positions the token may see. The step returns the attention output
+(B, 1, H, d_v), before W_o, and must equal reference_step, the plain equation, which the tests check at
+every step of a decode. A subclass inherits its parent's step (looked up along the MRO); a variant
+with no step (MHA, GQA, MQA: their cache holds the keys and values themselves) decodes by the plain
+path. A layer that reads another's keys (layout.py) runs the step of their owner, which wrote them.
 
-stream runs the plain path unless given a step; generate(model, ..., step=exact_step) runs each layer
-through its registered step, if any (sample.py and bench.py by default), and step=compiled_decode
-the same on a fixed-shape cache under torch.compile (sample.py --compile, bench.py's compiled
-column), where a variant with no step runs reference_step.
+Two caches run the steps, each a view over a ring.RingKVCache (any layout, any storage: quant.py) whose
+write and read it uses, so that both see the buffers and positions the cache holds: ExactKVCache
+(stream's exact_step: sample.py and bench.py by default) and FixedKVCache (compiled_decode: the step on
+fixed shapes under torch.compile, sample.py --compile).
 """
 
 import functools
 import math
 
 import torch
-import torch.nn.functional as F
 
 from lib.attention import rivals
-from model import GPT, KVCache, LowRankKVAttention, MultiHeadLatentAttention, masked_softmax, visible
+from lib.attention.heads import registered
+from lib.attention.ring import RingKVCache, masked_softmax, slot_positions, visible
+from model import LowRankKVAttention, MultiHeadLatentAttention, sample
 
 
 # -----------------------------------------------------------------------------
@@ -42,67 +40,53 @@ from model import GPT, KVCache, LowRankKVAttention, MultiHeadLatentAttention, ma
 
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, step=None,
-             vocab_size=None):
+             vocab_size=None, cache_class=RingKVCache):
     """idx (B, T) continued by max_new_tokens sampled tokens: (B, T + max_new_tokens)."""
-    new = stream(model, idx, max_new_tokens, temperature, top_k, use_cache, step, vocab_size)
+    new = stream(model, idx, max_new_tokens, temperature, top_k, use_cache, step, vocab_size, cache_class)
     return torch.cat([idx, *new], dim=1)
 
 
 @torch.no_grad()
 def stream(model, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, step=None,
-           vocab_size=None):
-    """Yield the max_new_tokens tokens (B, 1) that continue idx (B, T), as they are drawn
-    (temperature 0: greedy; vocab_size: only ids below it). With the cache, each token after the
-    prefill goes through step(model, token, cache) -> (logits, cache): by default the plain cached
-    path, GPT.last_logits; exact_step and compiled_decode (below) hand back another cache over the
-    same buffers."""
+           vocab_size=None, cache_class=RingKVCache):
+    """Yield the max_new_tokens tokens (B, 1) that continue idx (B, T), as they are drawn: model.py's
+    GPT.generate, the same loop and sampling (model.sample; temperature 0: greedy; vocab_size: only ids
+    below it), with a choice. The prompt goes into a new cache of cache_class (RingKVCache, or a storage
+    of quant.py's), then each token through step(model, token, cache) -> (logits, cache): by default a
+    forward, the plain cached path; exact_step and compiled_decode (below) hand back a view over the
+    same cache. use_cache=False: a whole forward every token."""
     if step is not None and not use_cache:
         raise ValueError("a step feeds the KV cache: it needs use_cache=True")
     L = model.config.block_size
-    # The model sees at most its last L tokens. When the text outgrows them, it starts again from
-    # the last `keep` of them, prefilled into a new cache: keeping half costs about one token's
-    # prefill a token, and every token sees at least half a context.
-    keep = L - L // 2
-    start = max(0, idx.size(1) - L)  # where the context begins in idx
+    # As GPT.generate: the model sees at most its last L tokens; when the text outgrows them, it starts
+    # again from the last `keep`, prefilled into a new cache.
+    keep, start, cache = L - L // 2, max(0, idx.size(1) - L), None
     max_len = min(L, idx.size(1) + max_new_tokens)  # the cache's: the longest the context gets
     device = idx.device.type
-    autocast = torch.is_autocast_enabled(device)
-    dtype = torch.get_autocast_dtype(device) if autocast else model.lm_head.weight.dtype
-    cache = None
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
     for _ in range(max_new_tokens):
         if idx.size(1) - start > L:
             start, cache = idx.size(1) - keep, None
         if cache is None:  # the whole context: the prompt, a new start, or any step without the cache
-            cache = model.new_cache(idx.size(0), max_len, dtype) if use_cache else None
+            cache = model.new_cache(idx.size(0), max_len, dtype, cache_class=cache_class) if use_cache \
+                else None
             logits = model(idx[:, start:], cache=cache)[0][:, -1]
         elif step is None:
-            logits = model.last_logits(idx[:, -1:], cache)
+            logits = last_logits(model, idx[:, -1:], cache)
         else:
             logits, cache = step(model, idx[:, -1:], cache)
-        logits = logits[:, :vocab_size]
-        if temperature == 0:
-            next_token = logits.argmax(dim=-1, keepdim=True)
-        else:
-            # from the largest logit down, in fp32: a tiny temperature sends the others to -inf
-            # (greedy), not the logits to inf and softmax to nan
-            logits = logits.float() - logits.float().amax(-1, keepdim=True)
-            logits = logits / max(temperature, torch.finfo(torch.float32).tiny)
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            next_token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+        next_token = sample(logits[:, :vocab_size], temperature, top_k)
         idx = torch.cat((idx, next_token), dim=1)
         yield next_token
 
 
+def last_logits(model, token, cache):
+    """The plain cached step: the logits (B, vocab) of token (B, 1) after the cache's prefix."""
+    return model(token, cache=cache)[0][:, -1]
+
+
 # -----------------------------------------------------------------------------
 # The steps, and the plain equation they equal
-
-def registered(table, attn):
-    """A table keyed by variant class (STEPS here, convert.py's LOAD_HEAD_KV_WEIGHTS): its entry for
-    attn's class, else for the nearest parent that has one (along the MRO), else None."""
-    return next((table[cls] for cls in type(attn).__mro__ if cls in table), None)
-
 
 def registered_step(attn):
     """attn's single-token step (STEPS, at the end of this file): its class's, or the nearest
@@ -144,44 +128,45 @@ def key_scores_reference(attn, q, k_shared, r_k, rho, rope):
 
 
 def key_scores(attn, q, k_shared, r_k, rho, rope):
-    """One new token's attention scores over all S cached positions (rope: their rows of the
-    RoPE table), the softmax's input (B, H, S), exact, without building any per-head key.
-    Vectors here are columns (model.py writes rows: X U_h is R_h, one row r_{h,s} per position).
-    Head h's key at s is Rot_s(K_s + B_h r_{h,s}) / rho_{h,s} (K_h, then the QK norm and RoPE;
-    K_s the shared key, B_h = B_h^K, r = R^K), so for the normalised, rotated query q_h
+    """One new token's attention scores over all S cached positions (rope (S, d_h): their rows of the
+    RoPE table), the softmax's input (N, H, S) for N sequences, exact, without building any head's key.
+    Vectors here are columns (model.py writes rows: X U_h is R_h, one row r_{h,s} per position). Head
+    h's key at s is Rot_s(K_s + B_h r_{h,s}) / rho_{h,s} (K_h, then the QK norm and RoPE; K_s the
+    shared key, B_h = B_h^K (d_h, r), r_{h,s} = R_h^K's row s), so for the normalised, rotated query q_h
 
         score_{h,s} = [ q_h . Rot_s(K_s) + (B_h^T Rot_s^T q_h) . r_{h,s} ] / rho_{h,s}
 
-    This is the paper's eq. 6, q_h K_h^T = q_h K_shared^T + (q_h B_h^K)(R_h^K)^T, made exact:
-    RoPE does not commute with B_h (a rotation of d_h dims cannot pass into r dims), so the
-    rotation goes into the query side, position by position. The first term is MQA's, over
-    the cached rotated K_shared. In the second, RoPE (model.apply_rope) turns dims i and
-    i' = i + d_h/2 by s theta_i, and its transpose turns the query back:
+    This is the paper's eq. 6, q_h K_h^T = q_h K_shared^T + (q_h B_h^K)(R_h^K)^T, made exact: RoPE does
+    not commute with B_h (a rotation of d_h dims cannot pass into r dims), so the rotation goes into the
+    query side, position by position. The first term is MQA's, over the cached rotated K_shared. In the
+    second, RoPE (model.apply_rope) turns dims i and i' = i + d_h/2 by s theta_i, and its transpose
+    turns the query back:
 
-        (Rot_s^T q)_i = q_i cos(s theta_i) - q_i' sin(s theta_i)
+        (Rot_s^T q)_i  = q_i cos(s theta_i) - q_i' sin(s theta_i)
         (Rot_s^T q)_i' = q_i sin(s theta_i) + q_i' cos(s theta_i)
 
-    so with B_h[i] the i-th row of B_h
+    so with B_h[i] the i-th row of B_h (r numbers)
 
         B_h^T Rot_s^T q_h = sum_i cos(s theta_i) (q_i B_h[i] + q_i' B_h[i'])
                                 + sin(s theta_i) (q_i B_h[i'] - q_i' B_h[i])
 
-    which for every s and h at once is the (S, d_h) table [cos | sin] times a (d_h, H r)
-    matrix built from q and B^K, one per sequence: a GEMM, the rebuild's S H r d_h
-    multiply-adds without its (S, H, d_h) tensors and their norm and rotation. No exact form
-    does less with this cache: each score needs a d_h-wide rotated residual key of which the
-    cache holds r numbers. The GEMM runs over chunks of positions (_residual_key_scores)."""
+    which for every s and h at once is rope (S, d_h), the rows [cos | sin], times a (d_h, H r) matrix
+    M_n built from sequence n's queries and every B_h: one GEMM, the rebuild's S H r d_h multiply-adds
+    without its (S, H, d_h) tensors and their norm and rotation. No exact form does less with this
+    cache: each score needs a d_h-wide rotated residual key of which the cache holds r numbers. The
+    GEMM runs over chunks of positions (_residual_key_scores)."""
     H, d_h, r = attn.n_head, attn.head_dim, attn.lrkv_rank
     q = q[:, 0] / math.sqrt(d_h)  # (N, H, d_h), the softmax's scale taken in
-    N = q.size(0)  # the batch size: B is B_h here
+    N = q.size(0)
     q1, q2 = q.unsqueeze(-1).chunk(2, dim=2)  # (N, H, d_h/2, 1) each: q_i and q_i', i < d_h/2
-    B1, B2 = attn.B_k.view(H, d_h, r).chunk(2, dim=1)  # (H, d_h/2, r) each: rows B_h[i] and B_h[i']
-    M_cos = q1 * B1 + q2 * B2  # (N, H, d_h/2, r): the coefficients of cos(s theta_i) above
-    M_sin = q1 * B2 - q2 * B1  # (N, H, d_h/2, r): those of sin(s theta_i)
+    B_h1, B_h2 = attn.B_k.view(H, d_h, r).chunk(2, dim=1)  # (H, d_h/2, r) each: every B_h's rows i and i'
+    M_cos = q1 * B_h1 + q2 * B_h2  # (N, H, d_h/2, r): the coefficients of cos(s theta_i) above
+    M_sin = q1 * B_h2 - q2 * B_h1  # (N, H, d_h/2, r): those of sin(s theta_i)
     M = torch.cat((M_cos, M_sin), dim=2)  # (N, H, d_h, r): row j goes with column j of rope, [cos | sin]
-    M = M.permute(0, 2, 1, 3).reshape(N, d_h, H * r)  # rope[s] @ M[n] is every head's B_h^T Rot_s^T q_h
+    M = M.permute(0, 2, 1, 3).reshape(N, d_h, H * r)  # (N, d_h, H r): rope[s] @ M[n], every B_h^T Rot_s^T q_h
     residual_term = _residual_key_scores(rope.to(q.dtype), M, r_k)  # (N, S, H)
-    return torch.baddbmm(residual_term.transpose(1, 2), q, k_shared.transpose(1, 2)) / rho.transpose(1, 2)
+    scores = torch.baddbmm(residual_term.transpose(1, 2), q, k_shared.transpose(1, 2))  # (N, H, S): + MQA's
+    return scores / rho.transpose(1, 2)
 
 
 def _residual_key_scores(rope, M, r_k):
@@ -205,18 +190,18 @@ def attend_values_reference(attn, a, v_shared, r_v):
 
 
 def attend_values(attn, a, v_shared, r_v):
-    """One new token's output (B, 1, H, d_h) from its attention a (B, H, S) over the cached
-    values, by eq. 7: a_h V_h = a_h V_shared + (a_h R_h^V) (B_h^V)^T, as two products so that
-    V_shared is never copied per head, B_h^V applied once, to the result. The a_h R_h^V, plainly
-    einsum("bhs,bshr->bhr", a, r_v), are one GEMM instead: every head's a_h times every head's
-    R^V, (H, S) by (S, H r) per sequence, of which head h keeps its own r columns (the diagonal).
-    The GEMM does H times the work but reads r_v once, in its own layout, where the einsum would
-    first copy all of r_v per head (docs/decoding.md measures both)."""
-    B, H, _ = a.shape
-    y_shared = (a @ v_shared).unsqueeze(1)  # (B, 1, H, d_h)
-    y_all = (a @ r_v.flatten(2)).view(B, H, H, attn.lrkv_rank)  # every head by every head's R_h^V
+    """One new token's output (N, 1, H, d_h) from its attention a (N, H, S) over the cached values, by
+    eq. 7: a_h V_h = a_h V_shared + (a_h R_h^V) (B_h^V)^T, as two products so that V_shared is never
+    copied per head, B_h^V applied once, to the result. The a_h R_h^V, plainly einsum("nhs,nshr->nhr",
+    a, r_v), are one GEMM instead: every head's a_h times every head's R^V, (H, S) by (S, H r) per
+    sequence, (N, H, H r), of which head h keeps its own r columns: the diagonal of the (H, H) blocks,
+    computed whole for it. The GEMM does H times the work but reads r_v once, in its own layout, where
+    the einsum would first copy all of r_v per head (docs/decoding.md measures both)."""
+    N, H, _ = a.shape
+    y_shared = (a @ v_shared).unsqueeze(1)  # (N, 1, H, d_h)
+    y_all = (a @ r_v.flatten(2)).view(N, H, H, attn.lrkv_rank)  # (N, H, H, r): each head's a by each R_h'^V
     heads = torch.arange(H, device=a.device)
-    y_res = y_all[:, heads, heads].unsqueeze(1)  # (B, 1, H, r): a_h R_h^V
+    y_res = y_all[:, heads, heads].unsqueeze(1)  # (N, 1, H, r): the diagonal, a_h R_h^V
     return y_shared + attn.residual(y_res, attn.B_v)
 
 
@@ -263,88 +248,100 @@ def latent_attention(attn, q, c, k_rope, rho, mask):
 # -----------------------------------------------------------------------------
 # The caches that run the steps, and stream's steps over them
 
-class ExactKVCache(KVCache):
-    """A KVCache over the buffers of another, one a prefill has filled, from its position on, whose
-    single new token attends through its variant's registered step; a chunk, or a variant without a
-    step, takes the plain cached path."""
+class ExactKVCache:
+    """A view over a RingKVCache (one a prefill has filled, say) from its position on: a single new
+    token attends through its variant's registered step, reading the entries and positions the cache's
+    own read gives; a chunk, or a variant without a step, takes the cache's plain path. The position
+    and buffers are the cache's: the view moves them on."""
 
     def __init__(self, cache):
-        # the same buffers, RoPE rows, writers and dtypes (the objects the prefill filled), and a copy
-        # of its position, which moves on here
-        self.pos, self.max_len, self.rope, self.pending = cache.pos, cache.max_len, cache.rope, {}
-        self.layers, self.writers, self.dtypes = cache.layers, cache.writers, cache.dtypes
+        if not isinstance(cache, RingKVCache):
+            raise TypeError(f"an ExactKVCache views a RingKVCache (new_cache(..., cache_class=RingKVCache)), "
+                            f"not a {type(cache).__name__}")
+        self.cache = cache
 
-    def attend(self, attn, q):
-        source = self.writers[attn.kv_layer]  # attn, or the layer it shares keys and values with
-        step = registered_step(source)
+    @property
+    def pos(self):
+        return self.cache.pos
+
+    @pos.setter
+    def pos(self, pos):  # tools/bench.py steps over the same positions again
+        self.cache.pos = pos
+
+    def next_rope(self, T):
+        return self.cache.next_rope(T)
+
+    def advance(self, T):
+        self.cache.advance(T)
+
+    def attend(self, attn, q, x, rope):
+        cache = self.cache
+        step = registered_step(cache.sources[cache.kv_source[attn.layer]])
         if step is None or q.size(1) > 1:
-            return super().attend(attn, q)
-        entries, positions = self.read(attn.kv_layer, 1)
-        here = positions.new_tensor([self.pos])
-        mask = None if attn.window is None else visible(here, positions, attn.window)
-        return step(source, q, entries, self.rope[positions], mask)
+            return cache.attend(attn, q, x, rope)
+        cache.write(attn, x, rope)
+        source, entries, rope, mask = cache.read(attn, 1)
+        return step(source, q, entries, rope, mask)
 
 
-class FixedKVCache(ExactKVCache):
-    """An ExactKVCache behind shapes that no longer change, for torch.compile: pos is a (1,) tensor,
-    write puts the one new token at its slot, read gives the whole buffers, and the token attends
-    over every slot through its variant's step, or reference_step, with the mask that `visible` makes
-    of the slots' positions (an empty slot holds zeros: LRKV's and MLA's scores there are 0 / 0,
-    which the mask overwrites). The cost of a step no longer depends on its position. pos moves
-    outside the compiled step (compiled_decode, in place, so the compiled graph reads the new value),
-    so advance does nothing; write notes no dtype, which the prefill noted in the dict this shares."""
+class FixedKVCache:
+    """A view over a RingKVCache, from its position on, behind shapes that no longer change, for
+    torch.compile: pos is a (1,) tensor; a token's entries go to its slot pos % length through the
+    cache's store; the token attends over every slot (load of them all) through its variant's step, or
+    reference_step, with the mask that `visible` makes of the slots' positions (ring.slot_positions:
+    an empty slot is negative, so masked; LRKV's and MLA's scores there are 0 / 0, which the mask
+    overwrites). A step's cost no longer depends on its position. pos moves outside the compiled step
+    (compiled_decode, in place, so that the compiled graph reads the new value), so advance does
+    nothing; the cache's own pos stays where the view began."""
 
     def __init__(self, cache):
-        super().__init__(cache)
+        if not isinstance(cache, RingKVCache):
+            raise TypeError(f"a FixedKVCache views a RingKVCache, not a {type(cache).__name__}")
+        self.cache = cache
         self.pos = torch.tensor([cache.pos], device=cache.rope.device)
         self.free = cache.max_len - cache.pos  # the positions left, counted on the host: no sync to check
-        for buf in self.buffers():
-            torch._dynamo.mark_static_address(buf)  # a CUDA graph may keep its address
+        for layer in cache.layers:
+            for buf in layer.values():
+                torch._dynamo.mark_static_address(buf)  # a CUDA graph may keep its address
 
     def next_rope(self, T):
         if T != 1:
             raise ValueError(f"a fixed-shape cache takes one token a step, not {T}")
-        return self.rope[self.pos]  # (1, rope_dim)
-
-    def write(self, attn, entries):
-        slot = self.pos % self.length(attn.layer)
-        for name, x in entries.items():
-            buf = self.layers[attn.layer][name]
-            buf.index_copy_(1, slot, x.to(buf.dtype))
-
-    def read(self, layer, T):
-        dtypes = self.dtypes[layer]
-        entries = {name: buf.to(dtypes[name]) for name, buf in self.layers[layer].items()}
-        return entries, self.slot_positions(layer, self.pos + 1)
-
-    def attend(self, attn, q):
-        source = self.writers[attn.kv_layer]
-        step = registered_step(source) or reference_step
-        entries, positions = self.read(attn.kv_layer, 1)
-        mask = visible(self.pos, positions, attn.window)  # (1, slots)
-        return step(source, q, entries, self.rope[positions.clamp(min=0)], mask)
+        return self.cache.rope[self.pos]  # (1, rope_dim)
 
     def advance(self, T):
         pass
 
+    def attend(self, attn, q, x, rope):
+        cache = self.cache
+        owner, length = cache.kv_source[attn.layer], cache.length(cache.kv_source[attn.layer])
+        if owner == attn.layer:
+            cache.store(owner, self.pos % length, attn.cache_entries(x, rope))
+        positions = slot_positions(length, self.pos + 1, self.pos.device)  # (length,), negative: empty
+        source = cache.sources[owner]
+        step = registered_step(source) or reference_step
+        entries = cache.load(owner, slice(None))
+        mask = visible(self.pos, positions, cache.windows[attn.layer])  # (1, length)
+        return step(source, q, entries, cache.rope[positions.clamp(min=0)], mask)
+
 
 def exact_step(model, token, cache):
-    """stream's step through every layer's registered single-token step: the last logits
-    (B, vocab) of token (B, 1), and the cache, which a prefill has just filled the first time,
-    then an ExactKVCache over the same buffers."""
+    """stream's step through every layer's registered single-token step: the last logits (B, vocab) of
+    token (B, 1), and the cache: the first time one a prefill has just filled, then an ExactKVCache
+    over it."""
     if not isinstance(cache, ExactKVCache):
         cache = ExactKVCache(cache)
-    return model.last_logits(token, cache), cache
+    return last_logits(model, token, cache), cache
 
 
 @functools.cache
 def compiled_fixed_step():
-    """GPT.last_logits compiled, one step for every model and cache of the same shapes (fixed ones:
-    the same at every position): torch.compile lifts modules' weights and the cache's buffers into
-    graph inputs, so new caches reuse the graph. On a GPU, "reduce-overhead" replays it as a CUDA
-    graph, one launch for the whole step. Made on first use: importing torch.compile's machinery
-    costs a process about 2 s on a CPU, which sample.py without --compile need not pay."""
-    return torch.compile(GPT.last_logits, mode="reduce-overhead" if torch.cuda.is_available() else None)
+    """last_logits compiled, one step for every model and cache of the same shapes (fixed ones: the same
+    at every position): torch.compile lifts modules' weights and the cache's buffers into graph inputs,
+    so new caches reuse the graph. On a GPU, "reduce-overhead" replays it as a CUDA graph, one launch
+    for the whole step. Made on first use: importing torch.compile's machinery costs a process about
+    2 s on a CPU, which sample.py without --compile need not pay."""
+    return torch.compile(last_logits, mode="reduce-overhead" if torch.cuda.is_available() else None)
 
 
 def compiled_step(model, token, cache):
@@ -352,12 +349,13 @@ def compiled_step(model, token, cache):
 
 
 def compiled_decode(model, token, cache):
-    """stream's step, compiled: a cache that a prefill has just filled is fixed on its first
-    step (FixedKVCache over the same buffers), then the compiled step runs and the position moves on."""
+    """stream's step, compiled: a cache that a prefill has just filled gets a FixedKVCache over it on
+    its first step, then the compiled step runs and the position moves on."""
     if not isinstance(cache, FixedKVCache):
         cache = FixedKVCache(cache)
     if cache.free == 0:  # past max_len, rope[pos] would fail inside the compiled step (on a GPU, an assert)
-        raise ValueError(f"KV cache holds {cache.max_len} tokens, {cache.max_len + 1} were asked for")
+        max_len = cache.cache.max_len
+        raise ValueError(f"KV cache holds {max_len} tokens, {max_len + 1} were asked for")
     # contiguous: a column of stream's growing idx has a new stride at every step, which recompiles
     logits = compiled_step(model, token.contiguous(), cache)
     cache.pos += 1

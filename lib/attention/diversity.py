@@ -6,9 +6,9 @@ Head h of a layer scores key token y against query token x through the bilinear 
 A_h = W_h^Q (W_h^K)^T (d x d), before the QK norm and RoPE. The head-similarity matrix G holds
 the cosines of the A_h under the Frobenius inner product, and its effective rank says how many
 distinct operators the layer's H heads amount to: 1 if all are the same, H if all are orthogonal.
-What it reads of a variant is head_qk_grams(pair_products) (model.Attention's: the pair products of
-W_q's maps and of the class's head_key_weights); a CLA group's later layers, which have no keys of
-their own, are left out.
+What it reads of a variant is heads.head_qk_grams (the pair products of W_q's maps and of the
+variant's key maps, lib/attention/heads.py); a layer that reads another's keys (--cla, --yoco), with no
+keys of its own, is left out.
 Everything is computed on the CPU in float64.
 """
 
@@ -17,6 +17,8 @@ import math
 import numpy as np
 import torch
 
+from lib.attention.heads import head_qk_grams
+from lib.attention.layout import key_layers
 from model import GPT
 
 
@@ -64,16 +66,11 @@ def effective_rank(G, centered=False):
     return math.exp(-(p * np.log(p)).sum())
 
 
-def key_layers(model):
-    """The layers that own their keys: every layer but the later ones of a CLA group."""
-    return [i for i, block in enumerate(model.blocks) if block.attn.owns_kv]
-
-
 @torch.no_grad()
 def similarities(model):
     """G of each layer of key_layers, of a GPT whose attention weights are float64 on the CPU
     (analyze.py's checkpoint, or attention_model's copy of a running model's)."""
-    return [gram_similarity(*model.blocks[i].attn.head_qk_grams(pair_products)) for i in key_layers(model)]
+    return [gram_similarity(*head_qk_grams(model.blocks[i].attn, pair_products)) for i in key_layers(model)]
 
 
 def layer_ranks(similarity):

@@ -11,12 +11,13 @@ reader uses to add a variant (model.Attention's docstring; model.VARIANTS gives 
     mlra  MLRA, Multi-Head Low-Rank Attention: MLA's latent split into latent heads, each read by every
           query head, the heads' outputs summed (Liu et al., ICLR 2026, arXiv 2603.02188)
 
-Each class follows model.py's conventions: the backbone's QK norm (parameter-free RMSNorm on every
-query and key head) and RoPE, the queries of Attention.queries (TPA: its own factorised ones), no
-biases, every parameter a 2-D matrix drawn by GPT.reset_parameters. Each latent is normalised by the
-parameter-free norm, as model.py's MLA normalises its latent (the papers' RMSNorm weight and their
-sqrt(d / d_c) scale are absorbed into the next matrix). Each defines keys_values, what training
-attends over; under "Decoding", cache_shapes, cache_entries and cached_keys_values; and an exact
+Each class follows model.py's conventions: the backbone's QK norm (parameter-free RMSNorm on every query
+and key head) and RoPE, the queries of Attention.queries (TPA: its own factorised ones), no biases,
+every parameter a 2-D matrix drawn by GPT.reset_parameters. What diversity.py and convert.py read of
+each (its heads as maps of x) is a function beside it, which lib/attention/heads.py lists. Each latent
+is normalised by the parameter-free norm, as model.py's MLA normalises its latent (the papers' RMSNorm
+weight and their sqrt(d / d_c) scale are absorbed into the next matrix). Each defines keys_values, what
+training attends over; under "Decoding", cache_shapes, cache_entries and cached_keys_values; and an
 exact single-token step (`<name>_step`, beside its class; lib/attention/decode.py's STEPS lists it),
 which reads the compressed cache and builds no cached position's key or value, and equals
 decode.reference_step, the plain equation over cached_keys_values (MLRA's sum of softmaxes: its own
@@ -29,7 +30,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import Attention, apply_rope, masked_softmax, norm, rms
+from lib.attention.ring import masked_softmax
+from model import Attention, apply_rope, norm, rms
 
 
 def sum_of_squares(x):
@@ -97,18 +99,18 @@ class GroupedTiedAttention(Attention):
 
     @classmethod
     def check(cls, config):
-        G = config.gta_kv_heads
-        if not (1 <= G <= config.n_head and config.n_head % G == 0):
+        if config.n_head % config.gta_kv_heads:  # GPTConfig checks each knob's type and sign
             config.reject("gta_kv_heads", f"a divisor of n_head = {config.n_head}")
         if config.head_dim % 4:
             config.reject("head_dim", "a multiple of 4 for gta (RoPE rotates pairs of its last d_h/2 dims)")
 
-    def head_key_weights(self):
-        """(H, d, d_h): head h's key before the QK norm and RoPE is x @ Wk[h] = [S_g[:d_h/2] | k^R]."""
-        G, d_h, half = self.n_kv_head, self.head_dim, self.head_dim - self.rope_dim
-        W_nope = self.W_kv.weight.view(G, d_h, -1)[:, :half].repeat_interleave(self.n_head // G, dim=0)
-        W_rope = self.W_kr.weight.expand(self.n_head, -1, -1)
-        return torch.cat((W_nope, W_rope), dim=1).transpose(1, 2)
+
+def gta_head_key_weights(attn):
+    """(H, d, d_h): head h's key before the QK norm and RoPE is x @ Wk[h] = [S_g[:d_h/2] | k^R]."""
+    G, d_h, half = attn.n_kv_head, attn.head_dim, attn.head_dim - attn.rope_dim
+    W_nope = attn.W_kv.weight.view(G, d_h, -1)[:, :half].repeat_interleave(attn.n_head // G, dim=0)
+    W_rope = attn.W_kr.weight.expand(attn.n_head, -1, -1)
+    return torch.cat((W_nope, W_rope), dim=1).transpose(1, 2)
 
 
 def gta_step(attn, q, cached, rope, mask):
@@ -196,11 +198,7 @@ class LatentHeadsAttention(Attention):
         return self.keys(c, k_rope) / rho.unsqueeze(-1), self.values(c)
 
     @classmethod
-    def check_latent(cls, config, heads_field, dim_field):
-        if not isinstance(getattr(config, heads_field), int) or getattr(config, heads_field) < 1:
-            config.reject(heads_field, "a positive integer")
-        if not isinstance(getattr(config, dim_field), int) or getattr(config, dim_field) < 1:
-            config.reject(dim_field, "a positive integer")
+    def check(cls, config):  # GPTConfig checks each knob's type and sign
         if not (2 <= config.rope_head_dim <= config.head_dim and config.rope_head_dim % 2 == 0):
             config.reject("rope_head_dim", f"even, from 2 to head_dim = {config.head_dim}")
 
@@ -241,16 +239,17 @@ class GroupedLatentAttention(LatentHeadsAttention):
 
     @classmethod
     def check(cls, config):
-        cls.check_latent(config, "gla_latent_heads", "gla_latent_dim")
+        super().check(config)
         if config.n_head % config.gla_latent_heads:
             config.reject("gla_latent_heads", f"a divisor of n_head = {config.n_head}")
 
-    def head_key_weights(self):
-        """(H, d, d_h + d_R): head h's key is x @ Wk[h] before the QK norm and RoPE, the latent
-        norm taken as identity (MLA's)."""
-        W_down = self.W_down.weight.view(self.n_latent, self.latent_dim, -1)  # (n, d_c, d)
-        W_nope = torch.einsum("icx,ijdc->ijxd", W_down, self.up(self.W_up_k)).flatten(0, 1)  # (H, d, d_h)
-        return torch.cat((W_nope, self.W_kr.weight.t().expand(self.n_head, -1, -1)), dim=-1)
+
+def gla_head_key_weights(attn):
+    """(H, d, d_h + d_R): head h's key is x @ Wk[h] before the QK norm and RoPE, the latent norm taken as
+    identity (MLA's)."""
+    W_down = attn.W_down.weight.view(attn.n_latent, attn.latent_dim, -1)  # (n, d_c, d)
+    W_nope = torch.einsum("icx,ijdc->ijxd", W_down, attn.up(attn.W_up_k)).flatten(0, 1)  # (H, d, d_h)
+    return torch.cat((W_nope, attn.W_kr.weight.t().expand(attn.n_head, -1, -1)), dim=-1)
 
 
 def gla_step(attn, q, cached, rope, mask):
@@ -312,22 +311,19 @@ class MultiHeadLowRankAttention(LatentHeadsAttention):
     def rho_shape(self):
         return (self.n_latent, self.n_head)
 
-    def attention_macs(self, seq_len):
-        return self.n_latent * super().attention_macs(seq_len)  # q k^T and a v once per latent head
+    def attention_macs(self, seq_len):  # q k^T and a v once per latent head (lib/training/recipe.py)
+        return self.n_latent * self.n_head * (self.qk_dim + self.head_dim) * seq_len
 
-    @classmethod
-    def check(cls, config):
-        cls.check_latent(config, "mlra_latent_heads", "mlra_latent_dim")
 
-    def head_key_weights(self):
-        """(H, d, d_h + d_R): the sum over the latent heads of head h's key weights, the latent norms
-        taken as identity. Head h scores with n bilinear operators A_{i,h} = W_h^Q (W_{i,h}^K)^T, one
-        per latent head, each in its own softmax: diversity.py's one operator per head is their sum
-        sum_i A_{i,h} = W_h^Q (sum_i W_{i,h}^K)^T, whose RoPE part is n W^KR."""
-        W_down = self.W_down.weight.view(self.n_latent, self.latent_dim, -1)  # (n, d_c, d)
-        W_nope = torch.einsum("icx,ihdc->hxd", W_down, self.up(self.W_up_k))  # (H, d, d_h)
-        W_rope = self.n_latent * self.W_kr.weight.t().expand(self.n_head, -1, -1)
-        return torch.cat((W_nope, W_rope), dim=-1)
+def mlra_head_key_weights(attn):
+    """(H, d, d_h + d_R): the sum over the latent heads of head h's key weights, the latent norms taken
+    as identity. Head h scores with n bilinear operators A_{i,h} = W_h^Q (W_{i,h}^K)^T, one per latent
+    head, each in its own softmax: diversity.py's one operator per head is their sum
+    sum_i A_{i,h} = W_h^Q (sum_i W_{i,h}^K)^T, whose RoPE part is n W^KR."""
+    W_down = attn.W_down.weight.view(attn.n_latent, attn.latent_dim, -1)  # (n, d_c, d)
+    W_nope = torch.einsum("icx,ihdc->hxd", W_down, attn.up(attn.W_up_k))  # (H, d, d_h)
+    W_rope = attn.n_latent * attn.W_kr.weight.t().expand(attn.n_head, -1, -1)
+    return torch.cat((W_nope, W_rope), dim=-1)
 
 
 def mlra_step_reference(attn, q, cached, rope, mask):
@@ -431,36 +427,32 @@ class TensorProductAttention(Attention):
     def cached_keys_values(self, rope, a_k, b_k, a_v, b_v):
         return self.keys(a_k, b_k), self.product(a_v, b_v)
 
-    @classmethod
-    def check(cls, config):
-        for field in ("tpa_q_rank", "tpa_kv_rank"):
-            if not isinstance(getattr(config, field), int) or getattr(config, field) < 1:
-                config.reject(field, "a positive integer")
 
-    def head_qk_grams(self, pair_products):
-        """diversity.py's pair products of the heads' query and key maps, (H, d_h, H, d_h) each, without
-        pair_products, which takes linear maps of x stacked, and TPA's heads are none. A TPA
-        head's q_h(x) = (1/R) sum_r (x . alpha_{r,h}) (x B_r) is no linear map of x (alpha_{r,h} the
-        row of W_r^{aQ} for head h, B_r = W_r^{bQ} (d x d_h)): it is linear in x (x) x, as
-        q_h = (x (x) x) M_h with M_h the symmetric (d^2 x d_h) lift, M_h[(i,j)] = (1/2R) sum_r
-        (alpha_{r,h}[i] B_r[j] + alpha_{r,h}[j] B_r[i]), and a head's score q_h(x) . k_h(y) is the
-        bilinear form M_h N_h^T between x (x) x and y (x) y: its operator A_h. The pair products
-        M_h^T M_h' that diversity.head_similarity takes come without any d^2-sized matrix:
+def tpa_head_qk_grams(attn):
+    """diversity.py's pair products of the heads' query and key maps, (H, d_h, H, d_h) each, without
+    pair_products, which takes linear maps of x stacked, and TPA's heads are none. A TPA
+    head's q_h(x) = (1/R) sum_r (x . alpha_{r,h}) (x B_r) is no linear map of x (alpha_{r,h} the
+    row of W_r^{aQ} for head h, B_r = W_r^{bQ} (d x d_h)): it is linear in x (x) x, as
+    q_h = (x (x) x) M_h with M_h the symmetric (d^2 x d_h) lift, M_h[(i,j)] = (1/2R) sum_r
+    (alpha_{r,h}[i] B_r[j] + alpha_{r,h}[j] B_r[i]), and a head's score q_h(x) . k_h(y) is the
+    bilinear form M_h N_h^T between x (x) x and y (x) y: its operator A_h. The pair products
+    M_h^T M_h' that diversity.head_similarity takes come without any d^2-sized matrix:
 
-            M_h^T M_h' = (1/2R^2) sum_{r,r'} [ (alpha_{r,h} . alpha_{r',h'}) B_r^T B_{r'}
-                                               + (B_r^T alpha_{r',h'}) (B_{r'}^T alpha_{r,h})^T ]"""
-        return self.lifted_gram(self.W_aq, self.W_bq), self.lifted_gram(self.W_ak, self.W_bk)
+        M_h^T M_h' = (1/2R^2) sum_{r,r'} [ (alpha_{r,h} . alpha_{r',h'}) B_r^T B_{r'}
+                                           + (B_r^T alpha_{r',h'}) (B_{r'}^T alpha_{r,h})^T ]"""
+    return lifted_gram(attn, attn.W_aq, attn.W_bq), lifted_gram(attn, attn.W_ak, attn.W_bk)
 
-    def lifted_gram(self, W_a, W_b):
-        H, d_h = self.n_head, self.head_dim
-        alpha = W_a.weight.double().view(-1, H, W_a.in_features)  # (R, H, d)
-        B = W_b.weight.double().view(-1, d_h, W_b.in_features)  # (R, d_h, d): B_r^T
-        R = alpha.size(0)
-        aa = torch.einsum("rhx,sgx->rhsg", alpha, alpha)  # alpha_{r,h} . alpha_{s,g}
-        bb = torch.einsum("rax,sbx->rasb", B, B)  # (B_r^T B_s)[a, b]
-        ba = torch.einsum("rax,sgx->rasg", B, alpha)  # (B_r^T alpha_{s,g})[a]
-        gram = torch.einsum("rhsg,rasb->hagb", aa, bb) + torch.einsum("rasg,sbrh->hagb", ba, ba)
-        return gram / (2 * R * R)  # float64, as diversity.py computes
+
+def lifted_gram(attn, W_a, W_b):
+    H, d_h = attn.n_head, attn.head_dim
+    alpha = W_a.weight.double().view(-1, H, W_a.in_features)  # (R, H, d)
+    B = W_b.weight.double().view(-1, d_h, W_b.in_features)  # (R, d_h, d): B_r^T
+    R = alpha.size(0)
+    aa = torch.einsum("rhx,sgx->rhsg", alpha, alpha)  # alpha_{r,h} . alpha_{s,g}
+    bb = torch.einsum("rax,sbx->rasb", B, B)  # (B_r^T B_s)[a, b]
+    ba = torch.einsum("rax,sgx->rasg", B, alpha)  # (B_r^T alpha_{s,g})[a]
+    gram = torch.einsum("rhsg,rasb->hagb", aa, bb) + torch.einsum("rasg,sbrh->hagb", ba, ba)
+    return gram / (2 * R * R)  # float64, as diversity.py computes
 
 
 def tpa_step(attn, q, cached, rope, mask):

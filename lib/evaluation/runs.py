@@ -7,6 +7,7 @@ eval.py's table): its variant's legend label in the paper's order, and where it 
 import dataclasses
 from pathlib import Path
 
+from lib.attention.layout import kv_source, layer_window
 from lib.training.checkpoint import load_checkpoint
 from lib.training.configurator import ConfigError
 
@@ -87,8 +88,8 @@ def layout(config):
     def layers(numbers):
         return ("layer " if len(numbers) == 1 else "layers ") + ", ".join(map(str, numbers))
     n = range(config.n_layer)
-    sharing = {layer: config.kv_source(layer) for layer in n if config.kv_source(layer) != layer}
-    local = [layer for layer in n if config.layer_window(layer)]
+    sharing = {layer: kv_source(config, layer) for layer in n if kv_source(config, layer) != layer}
+    local = [layer for layer in n if layer_window(config, layer)]
     parts = []
     if sharing:
         sources = sorted(set(sharing.values()))

@@ -104,6 +104,18 @@ def parse_args(argv):
 
 
 
+def flops_per_token(model, seq_len=None):
+    """Training FLOPs a token, MFU's count: 6 per matmul weight (not the embedding's, a lookup), and 6 per
+    multiply-add of attention's q k^T and a v over seq_len keys (the block size by default; all of them,
+    not causal half), d_qk + d_h per head and key, or a variant's own attention_macs(seq_len) where its
+    heads attend more than once (MLRA's latent heads)."""
+    T = seq_len or model.config.block_size
+    attns = [block.attn for block in model.blocks]
+    macs = [attn.attention_macs(T) if hasattr(attn, "attention_macs") else
+            attn.n_head * (attn.qk_dim + attn.head_dim) * T for attn in attns]
+    return 6 * (model.get_num_params() - model.wte.weight.numel()) + 6 * sum(macs)
+
+
 def build(model_config, cfg, device, world_size, dtype, compile, initial=None):
     """What a run trains, before a checkpoint is restored into it: (raw_model, model, train_model,
     optimizers), raw_model the GPT (its weights from initial, a state_dict, if given), model what

@@ -1,0 +1,124 @@
+"""
+The cache for any layout (layout.py: layers that read another layer's keys, sliding windows), built on
+model.py's KVCache, and the rule of which positions a query sees.
+
+model.py's KVCache gives every layer buffers of max_len slots, slot p holding position p. Here a layer
+that reads another's keys and values holds none and reads its owner's entries, each layer masks them
+with its own window, and an owner whose readers all have windows keeps only the widest reader's W
+positions, as a ring. The ring's rule, an invariant that every write keeps:
+
+    an owner's buffers hold `length` slots; once positions 0..pos-1 are stored, slot s holds the latest
+    position p < pos with p % length == s (slot_positions), or none yet where s >= pos.
+
+So slot p % length is where position p goes, and a query at position i that sees its last W <= length
+positions finds all of them in the ring. One case breaks it: a chunk of T > 1 new tokens (a prefill)
+would overwrite positions that its own first queries still see. Such a chunk waits in `pending`, read
+beside the ring, until advance stores it (its last `length` positions, into their slots).
+A storage of another kind (quant.py) overrides allocate, store and load, as it would model.py's cache.
+"""
+
+import torch
+
+from model import KVCache
+
+
+def visible(q_pos, k_pos, window=None):
+    """The one attention rule, for training with windows, prefill and every decoding path: the query at
+    position i sees the key at position j when j <= i (causal) and, in a layer with a window W,
+    i - j < W. q_pos (T,) and k_pos (S,) are positions; a negative key position is an empty slot, seen
+    by none. Returns a (T, S) bool mask."""
+    distance = q_pos[:, None] - k_pos[None, :]  # (T, S)
+    seen = (distance >= 0) & (k_pos >= 0)
+    return seen if window is None else seen & (distance < window)
+
+
+def masked_softmax(scores, mask, dtype):
+    """softmax of scores (B, H, S) in fp32 where mask (None: all; (1, S) bool) allows, in dtype. An empty
+    slot's score may be 0 / 0 (a cached key RMS of 0): -inf overwrites it."""
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+
+
+def slot_positions(length, pos, device=None):
+    """(length,): the position each slot of a ring of `length` holds once 0..pos-1 are stored, the
+    latest p < pos with p % length == slot; negative for a slot not written yet. pos: an int or a (1,)
+    tensor (decode.py's fixed-shape cache)."""
+    slots = torch.arange(length, device=device)
+    return pos - 1 - (pos - 1 - slots) % length
+
+
+class RingKVCache(KVCache):
+    """model.py's KVCache for a layout: model.layout's per-layer facts, kv_source (whose entries a layer
+    reads) and windows (how many of its latest positions it sees; None: all), or, for a model without
+    a layout, every layer its own and no window. A layer that owns entries keeps `length` slots, the
+    widest span of the layers that read it: max_len where one of them sees every position, else the
+    widest window W, a ring (the module's rule). write and read are the interface decode.py's exact
+    and fixed-shape caches build on."""
+
+    def __init__(self, model, batch_size, max_len, dtype, device):
+        n, layout = len(model.blocks), model.layout
+        self.kv_source = list(layout.kv_source) if layout else list(range(n))
+        self.windows = list(layout.windows) if layout else [None] * n
+        # sources[owner]: the attention whose weights turn its entries back into keys and values
+        # (cached_keys_values, a step) for every layer that reads them
+        self.sources = {layer: model.blocks[layer].attn for layer in set(self.kv_source)}
+        self.span = {owner: max(min(self.windows[reader] or max_len, max_len) for reader in range(n)
+                                if self.kv_source[reader] == owner) for owner in self.sources}
+        self.pending = {}  # owner: a chunk's entries waiting to be stored (write)
+        super().__init__(model, batch_size, max_len, dtype, device)
+
+    def length(self, layer):
+        return self.span.get(layer, 0)  # a layer that reads another's keys holds no slot
+
+    def attend(self, attn, q, x, rope):
+        self.write(attn, x, rope)
+        source, entries, rope, mask = self.read(attn, q.size(1))
+        return attn.attend(q, *source.cached_keys_values(rope, **entries), mask)
+
+    def write(self, attn, x, rope):
+        """An owner's new tokens x (B, T, d) leave their entries: in their slots, or for a chunk that
+        would overwrite positions its own queries still see, in pending until advance. A layer that
+        reads another's keys writes nothing."""
+        layer = attn.layer
+        if self.kv_source[layer] != layer:
+            return
+        entries = attn.cache_entries(x, rope)
+        if x.size(1) > 1 and self.pos + x.size(1) > self.length(layer):
+            self.pending[layer] = entries
+            self.dtypes.setdefault(layer, {name: x.dtype for name, x in entries.items()})  # as store notes
+        else:
+            self.store_positions(layer, entries)
+
+    def store_positions(self, layer, entries):
+        """Store entries of positions pos, pos + 1, ... each in its slot p % length, the last `length`."""
+        T, length = next(iter(entries.values())).size(1), self.length(layer)
+        slots = torch.arange(self.pos, self.pos + T)[-length:] % length
+        self.store(layer, slots, {name: x[:, -length:] for name, x in entries.items()})
+
+    def read(self, attn, T):
+        """What attn's T new queries at pos..pos+T-1 see, as model.py's KVCache.attend uses it: the
+        attention whose entries they are (attn's owner), those entries {name: (B, S, *shape)} (the
+        slots written, then any pending chunk), their RoPE rows (S, rope_dim), and the mask (T, S) of
+        visible with attn's window (None where Attention.attend's own rule is it)."""
+        owner, window = self.kv_source[attn.layer], self.windows[attn.layer]
+        pending = self.pending.get(owner)
+        ahead = 0 if pending is not None else T  # the queries' own positions, already in the slots
+        held = min(self.pos + ahead, self.length(owner))
+        entries = self.load(owner, slice(0, held))
+        positions = slot_positions(self.length(owner), self.pos + ahead, self.rope.device)[:held]
+        if pending is not None:
+            entries = {name: torch.cat((x, pending[name]), 1) for name, x in entries.items()}
+            positions = torch.cat((positions, torch.arange(self.pos, self.pos + T, device=positions.device)))
+        here = torch.arange(self.pos, self.pos + T, device=positions.device)
+        plain = window is None and (T == 1 or self.pos == 0 and pending is None)  # Attention.attend's rule
+        mask = None if plain else visible(here, positions, window)
+        # while no slot has wrapped, slot s holds position s: a view of the table, not a gather
+        unwrapped = pending is None and self.pos + ahead <= self.length(owner)
+        return self.sources[owner], entries, self.rope[:held] if unwrapped else self.rope[positions], mask
+
+    def advance(self, T):
+        for layer, entries in self.pending.items():
+            self.store_positions(layer, entries)
+        self.pending = {}
+        super().advance(T)
