@@ -3,30 +3,36 @@ Export a train.py checkpoint to a folder that Hugging Face transformers and lm-e
 load, offline, with its tokenizer:
 
     python export_hf.py out/demo/lrkv/ckpt.pt out/hf/lrkv
-    python export_hf.py out/demo/mha/ckpt.pt out/hf/mha
+    python export_hf.py out/demo/mha/ckpt.pt out/hf/mha                   # native NanoChat
+    python export_hf.py out/demo/mha/ckpt.pt out/hf/mha-code --remote_code
     python export_hf.py out/demo/lrkv/ckpt.pt out/hf/lrkv-native --native
 
-MHA, GQA and MQA (every layer with keys of its own and no window) become transformers' own
-NanoChatForCausalLM, the nanochat model this repository's backbone is; loading needs no
-trust_remote_code. Every other checkpoint (MLA, LRKV, GTA, GLA, TPA, MLRA; any that shares keys,
---cla above 1 or --yoco; any with sliding windows, --window) becomes hf/modeling_lrkv.py, copied
-into the folder (config.json's auto_map names it): AutoModelForCausalLM.from_pretrained(folder,
-trust_remote_code=True), which attends and caches as this repository's decoder does. --native
-turns LRKV into NanoChatForCausalLM too, each head's key and value weights materialised as
-W_shared + U_h B_h^T: same outputs, but transformers then caches MHA's full keys and values, not
-LRKV's small cache.
+A folder runs this repository's own model code: the export copies model.py and the files of
+lib/attention/ that the model runs (ring.py, layout.py, rivals.py, the file of a variant of your own)
+beside hf/modeling_lrkv.py, the thin layer transformers asks for, their imports made relative; so a
+variant added to model.VARIANTS exports as it is, and a variant whose file imports what a folder cannot
+hold is refused in one line. AutoModelForCausalLM (and AutoModel) .from_pretrained(folder,
+trust_remote_code=True) loads it. MHA, GQA and MQA with no shared keys or window become transformers'
+own NanoChatForCausalLM instead (no remote code), unless --remote_code; --native turns LRKV into
+NanoChatForCausalLM too, each head's key and value weights materialised as W_shared + U_h B_h^T: same
+outputs, MHA's cache.
 
-The folder holds config.json, model.safetensors, generation_config.json, the tokenizer
-(tokenizer.json, tokenizer_config.json) and a README.md model card. It is built in a temporary
-folder beside OUT_DIR and renamed at the end: a failed export leaves nothing. Bad input (a
-checkpoint that does not load, an OUT_DIR that is not an empty folder, --native for a variant it
-cannot express) is one line on stderr and exit code 2. docs/export.md says more.
+The folder holds config.json, model.safetensors, generation_config.json, the tokenizer, a README.md
+model card and the LICENSE, and the model code where it has remote code. It is built in a temporary
+folder beside OUT_DIR and renamed at the end: a failed export leaves nothing, and one killed midway
+leaves a hidden .OUT_DIR.* folder, which the next export to OUT_DIR removes and says so. Bad input (a
+checkpoint that does not load or has no tokenizer this export knows, an OUT_DIR that is not an empty
+folder, --native for a variant it cannot express, a full disk or a folder it cannot write) is one line
+on stderr and exit code 2. docs/export.md says more.
 """
 
+import ast
 import base64
 import dataclasses
-import importlib.util
+import inspect
+import json
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -39,13 +45,26 @@ import torch
 # This repository's code, all of it that the export reads
 from lib.training.checkpoint import load_checkpoint
 from lib.training.configurator import ArgumentParser, ConfigError
+from lib.training.data import load_tokenizer
+from lib.training.hardware import check_environment
+from model import attention_class
 
 REPO = Path(__file__).resolve().parent
-MODELING = REPO / "hf" / "modeling_lrkv.py"  # the remote code, copied into every folder that uses it
+MODELING = REPO / "hf" / "modeling_lrkv.py"  # what transformers asks for, in every remote-code folder
+ALWAYS = [REPO / "model.py", REPO / "lib" / "attention" / "ring.py", REPO / "lib" / "attention" / "layout.py"]
 GPT2_RANKS = REPO / "gpt2.tiktoken"  # GPT-2's BPE, tiktoken's ranks: a token's id is its rank
 EOT = "<|endoftext|>"
 NATIVE = ("mha", "gqa", "mqa")  # NanoChatForCausalLM's attention: G key/value heads of d_h
 NATIVE_IF_ASKED = ("lrkv",)  # --native: LRKV's heads materialised into MHA's
+
+
+def transformers_requirement():
+    """requirements-hf.txt's transformers line, e.g. 'transformers>=5.0,<6': the versions a folder needs."""
+    for line in (REPO / "requirements-hf.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if re.match(r"transformers(?![-_.\w])", line):
+            return line
+    raise ValueError("requirements-hf.txt names no transformers")
 
 
 def main(argv=None):
@@ -53,28 +72,38 @@ def main(argv=None):
     parser = ArgumentParser(prog="export_hf.py", description=__doc__.strip().split("\n\n")[0])
     parser.add_argument("ckpt", help="a ckpt.pt written by train.py")
     parser.add_argument("out_dir", help="the folder to write: it must not exist, or be empty")
-    parser.add_argument("--native", action="store_true",
-                        help="LRKV as transformers' NanoChatForCausalLM, its heads materialised "
-                             "(MHA's cache)")
+    kind = parser.add_mutually_exclusive_group()
+    kind.add_argument("--native", action="store_true",
+                      help="LRKV as transformers' NanoChatForCausalLM, its heads materialised (MHA's cache)")
+    kind.add_argument("--remote_code", action="store_true",
+                      help="MHA, GQA or MQA as this repository's code (modeling_lrkv.py), not NanoChat")
     args = parser.parse_args(argv)
     os.environ["HF_HUB_OFFLINE"] = "1"  # nothing here needs the network: transformers must not try it
     t0, out = time.perf_counter(), Path(args.out_dir)
     try:
+        check_environment()
         if out.exists() and not (out.is_dir() and not any(out.iterdir())):
             raise ConfigError(f"{out}: exists and is not an empty folder; give another OUT_DIR")
         ckpt, model = load_checkpoint(args.ckpt, "cpu")
-        native = check(args.ckpt, ckpt, model.config, args.native)
-        modeling = load_modeling()
-        check_knobs(args.ckpt, model, modeling)
+        tok = load_tokenizer(args.ckpt, ckpt)
+        native = check(args.ckpt, tok, model.config, args.native, args.remote_code)
+        files = {} if native else model_files(model.config)
     except ConfigError as e:
         print(f"export_hf.py: {e}", file=sys.stderr)
         return 2
-
+    remove_stale(out)
     command = shlex.join(["python", "export_hf.py", *(argv if argv is not None else sys.argv[1:])])
     try:
-        write_atomically(out, lambda folder: export(ckpt, model, modeling, native, folder, command))
+        write_atomically(out, lambda folder: export(ckpt, model, tok, native, files, folder, command))
     except OSError as e:  # a folder on the way is a file, or read-only; a full disk
-        print(f"export_hf.py: {out}: cannot be written: {e.strerror or e}; nothing was written",
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"export_hf.py: {out}: cannot be written: {e.strerror or e}{where}; nothing was written",
+              file=sys.stderr)
+        return 2
+    except Exception as e:  # safetensors' own error for a full disk, "No space left on device"
+        if type(e).__name__ != "SafetensorError":
+            raise
+        print(f"export_hf.py: {out}: cannot be written: {' '.join(str(e).split())}; nothing was written",
               file=sys.stderr)
         return 2
     kind = ("NanoChatForCausalLM (native)" if native
@@ -83,51 +112,99 @@ def main(argv=None):
     return 0
 
 
-def check(path, ckpt, config, native):
+def check(path, tok, config, native, remote_code):
     """Whether the export is native (NanoChatForCausalLM), or a ConfigError where the checkpoint
-    cannot be exported as asked. config: the checkpoint's GPTConfig."""
-    args, meta = ckpt["model_args"], ckpt.get("tokenizer")
-    if not isinstance(meta, dict) or meta.get("tokenizer") not in ("gpt2", "byte"):
-        raise ConfigError(f"{path}: has no tokenizer this export knows (its data's meta.json, gpt2 or byte)")
-    if meta["vocab_size"] > args["vocab_size"]:
-        raise ConfigError(f"{path}: its tokenizer has {meta['vocab_size']} tokens, its model "
-                          f"{args['vocab_size']}")
+    cannot be exported as asked. tok: the checkpoint's tokenizer; config: its GPTConfig."""
+    if tok.vocab_size > config.vocab_size:
+        raise ConfigError(f"{path}: its tokenizer has {tok.vocab_size} tokens, its model {config.vocab_size}")
     flags = layout_flags(config)  # NanoChat has neither shared keys nor windows
     if native and (flags or config.attn not in NATIVE + NATIVE_IF_ASKED):
         raise ConfigError(f"--native: {' '.join([f'--attn={config.attn}', *flags])} is not expressible as "
                           f"NanoChatForCausalLM (only {', '.join(NATIVE + NATIVE_IF_ASKED)}, without --cla, "
                           "--yoco or --window); drop --native for the remote-code export")
-    return native or (not flags and config.attn in NATIVE)
+    return native or (not remote_code and not flags and config.attn in NATIVE)
 
 
 def layout_flags(config):
     """The flags, as train.py takes them, by which some layer reads another's keys and values or has
     a window: [] where every layer computes its own and sees every position."""
+    from lib.attention.layout import kv_source, layer_window
     layers, flags = range(config.n_layer), []
-    if any(config.kv_source(layer) != layer for layer in layers):
+    if any(kv_source(config, layer) != layer for layer in layers):
         flags += [f"--cla={config.cla}"] * (config.cla > 1) + ["--yoco"] * config.yoco
-    if any(config.layer_window(layer) is not None for layer in layers):
+    if any(layer_window(config, layer) is not None for layer in layers):
         flags += [f"--window={config.window}", f"--window_pattern={config.window_pattern}"]
     return flags
 
 
-def load_modeling():
-    """hf/modeling_lrkv.py as the module modeling_lrkv, the name config.json's auto_map gives it."""
-    spec = importlib.util.spec_from_file_location("modeling_lrkv", MODELING)
-    modeling = sys.modules["modeling_lrkv"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(modeling)  # imports transformers: a few seconds
-    return modeling
+# The model's code, as the folder holds it
+
+def model_files(config):
+    """{name: source} of the files the folder's model runs: model.py, lib/attention's ring.py and layout.py,
+    the file of the variant's class (model.py, rivals.py, or one of your own) and every file of
+    lib/attention/ they import, each import of model or lib.attention made relative (the folder is one
+    package); and "variant": the class's path there where model.py does not define it (a variant that
+    model.VARIANTS names at run time, or by a path of its own). A ConfigError where one of them imports
+    what the folder cannot hold: anything but torch, Python's own modules, model.py and lib/attention."""
+    cls = attention_class(config.attn)
+    own = Path(inspect.getsourcefile(cls)).resolve()
+    queue, files = [*ALWAYS, own], {}
+    while queue:
+        path = queue.pop(0)
+        if path.stem in files:
+            continue
+        text = path.read_text()
+        files[path.stem] = relative(path, text, queue)
+    files["model"] = files["model"].replace('LIB = "lib.attention."', 'LIB = "."')
+    return files, None if own == ALWAYS[0] else f"{own.stem}.{cls.__name__}"
 
 
-def check_knobs(path, model, modeling):
-    """A ConfigError where the checkpoint's model sets a knob that modeling_lrkv.py does not know (one
-    the repository has gained since) to anything but its default: the export would be another model."""
-    defaults = {field.name: field.default for field in dataclasses.fields(model.config)}
-    unknown = [f"--{name}={value!r}" for name, value in dataclasses.asdict(model.config).items()
-               if name not in modeling.LRKVConfig.__dataclass_fields__ and value != defaults[name]]
-    if unknown:
-        raise ConfigError(f"{path}: {', '.join(unknown)}: hf/modeling_lrkv.py has no such model (it has "
-                          "the nine variants, --cla, --yoco and --window); nothing was written")
+def relative(path, text, queue):
+    """path's source text with its imports of model and lib.attention made relative to the folder, the
+    files of those it imports put on queue; a ConfigError for an import the folder cannot hold."""
+    lines = text.splitlines(keepends=True)
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names
+                                     if node.module == "lib.attention"]
+        else:
+            continue
+        for name in names:
+            top = name.split(".")[0]
+            if name == "model":
+                queue.append(ALWAYS[0])
+            elif name.startswith("lib.attention."):
+                queue.append(REPO / "lib" / "attention" / f"{name.split('.')[2]}.py")
+            elif name != "lib.attention" and top != "torch" and top not in sys.stdlib_module_names:
+                raise ConfigError(f"{path}: imports {name}, which an exported folder cannot hold (it holds "
+                                  "model.py and lib/attention/'s files, and needs torch and transformers)")
+        if any(name == "model" or name.startswith("lib.attention") for name in names):
+            line = lines[node.lineno - 1]
+            line = re.sub(r"^(\s*)from model import", r"\1from .model import", line)
+            line = re.sub(r"^(\s*)import model$", r"\1from . import model", line)
+            line = re.sub(r"^(\s*)from lib\.attention\.(\w+) import", r"\1from .\2 import", line)
+            line = re.sub(r"^(\s*)from lib\.attention import", r"\1from . import", line)
+            lines[node.lineno - 1] = line
+    return "".join(lines)
+
+
+def modeling_file(modules):
+    """hf/modeling_lrkv.py, and an import of each file beside it, so that transformers copies them all
+    where it runs the folder's code (it copies what a file imports relatively, and no other)."""
+    imports = "".join(f"from .{name} import __name__ as _{name}  # noqa: F401, E402\n" for name in modules)
+    return (MODELING.read_text() + "\n\n# The files beside this one that the model runs, as export_hf.py "
+            "copied them\n" + imports)
+
+
+def remove_stale(out):
+    """Remove the temporary folders that an export to out killed midway left beside it, saying so."""
+    for stale in out.parent.glob(f".{out.name}.*") if out.parent.is_dir() else []:
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+            print(f"export_hf.py: removed {stale}, left by an export to {out} that did not finish",
+                  file=sys.stderr)
 
 
 def write_atomically(out, write):
@@ -151,25 +228,46 @@ def write_atomically(out, write):
         raise
 
 
-def export(ckpt, model, modeling, native, folder, command):
-    """Write the model, the tokenizer and the card into folder."""
+def export(ckpt, model, tok, native, files, folder, command):
+    """Write the model, its code (remote code), the tokenizer, the card and the licence into folder."""
     # imported here, not at the top: most bad input is refused before transformers' seconds of import
+    from safetensors.torch import save_file
     from transformers import GenerationConfig
-    from transformers.utils import logging
 
-    logging.disable_progress_bar()  # save_pretrained's bar for a single file
-
-    meta, args = ckpt["tokenizer"], ckpt["model_args"]
-    eot = meta["eot_id"]
-    hf = native_model(model, eot) if native else remote_model(model, modeling, eot)
+    c, eot = model.config, tok.eot_id
+    if native:
+        hf = native_model(model, eot)
+        hf.save_pretrained(folder)
+    else:
+        sources, variant = files
+        for name, text in sources.items():
+            (folder / f"{name}.py").write_text(text)
+        (folder / "modeling_lrkv.py").write_text(modeling_file(sources))
+        write_config(folder, c, eot, variant, next(model.parameters()).dtype)
+        weights = {f"model.gpt_model.{name}": w.contiguous() for name, w in model.state_dict().items()}
+        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     # generate stops at end-of-text, as sample.py does, and draws no id the tokenizer lacks (a
     # vocabulary padded for fast matmuls: GPT-2's 50257 tokens in 50304 rows)
-    padding = list(range(meta["vocab_size"], args["vocab_size"]))
-    hf.generation_config = GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot,
-                                            suppress_tokens=padding or None)
-    hf.save_pretrained(folder)
-    tokenizer(meta, args["block_size"]).save_pretrained(folder)
-    (folder / "README.md").write_text(card(ckpt, model, native, command))
+    padding = list(range(tok.vocab_size, c.vocab_size))
+    GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot,
+                     suppress_tokens=padding or None).save_pretrained(folder)
+    tokenizer(tok, c.block_size, native).save_pretrained(folder)
+    (folder / "README.md").write_text(card(ckpt, model, tok, native, command))
+    shutil.copyfile(REPO / "LICENSE", folder / "LICENSE")
+
+
+def write_config(folder, c, eot, variant, dtype):
+    """config.json of the remote code: the checkpoint's model_args, which model.GPTConfig checks when the
+    folder loads, the end-of-text it reads every sequence after, and where the variant's class is."""
+    import transformers
+    config = {"architectures": ["LRKVForCausalLM"], "model_type": "lrkv",
+              "auto_map": {"AutoConfig": "modeling_lrkv.LRKVConfig", "AutoModel": "modeling_lrkv.LRKVModel",
+                           "AutoModelForCausalLM": "modeling_lrkv.LRKVForCausalLM"},
+              "model_args": dataclasses.asdict(c), "eot_id": eot, "variant": variant,
+              "bos_token_id": eot, "eos_token_id": eot, "pad_token_id": eot, "tie_word_embeddings": False,
+              "dtype": str(dtype).removeprefix("torch."),
+              "transformers_version": transformers.__version__}
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def native_model(model, eot):
@@ -232,30 +330,18 @@ def lrkv_head_weights(ours, prefix, c):
     return heads
 
 
-def remote_model(model, modeling, eot):
-    """modeling_lrkv.py's LRKVForCausalLM of model's config, holding its weights under the same names,
-    registered so that save_pretrained copies the file and config.json's auto_map names it."""
-    modeling.LRKVConfig.register_for_auto_class()
-    modeling.LRKVForCausalLM.register_for_auto_class("AutoModelForCausalLM")
-    args = {name: value for name, value in dataclasses.asdict(model.config).items()
-            if name in modeling.LRKVConfig.__dataclass_fields__}  # the others at their defaults: check_knobs
-    config = modeling.LRKVConfig(**args, bos_token_id=eot, eos_token_id=eot, pad_token_id=eot)
-    with torch.device("meta"):
-        hf = modeling.LRKVForCausalLM(config)
-    hf.load_state_dict(model.state_dict(), strict=True, assign=True)
-    return hf
+# The tokenizer: the data's, as tokenizers' byte-level BPE. The remote code reads every sequence after
+# an end-of-text itself, so its tokenizer adds none (lm-eval then scores a text as eval.py does, its
+# rolling log-likelihood too); NanoChat does not, so a native folder's tokenizer puts one before every
+# text, as sample.py and eval.py put it (every training document starts with it)
 
-
-# The tokenizer: the data's, as tokenizers' byte-level BPE, end-of-text before every text as
-# sample.py and eval.py put it (it opens every document in the training data)
-
-def tokenizer(meta, block_size):
+def tokenizer(tok, block_size, native):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    eot = meta["eot_id"]
+    eot = tok.eot_id
     symbol = byte_symbols()
-    if meta["tokenizer"] == "byte":
+    if tok.name == "byte":
         # one token a byte, its id the byte; NUL is end-of-text, so a NUL in a text has no token
         # (tokenizers drops a symbol outside the vocabulary), as prepare_data.py drops it
         vocab = {symbol[b]: b for b in range(256) if b != eot}
@@ -269,11 +355,14 @@ def tokenizer(meta, block_size):
                                                     for pair in merges]))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=regex)  # GPT-2's regex
     bpe.decoder = decoders.ByteLevel()
-    bpe.post_processor = processors.TemplateProcessing(single=f"{EOT} $A", pair=f"{EOT} $A {EOT} $B",
-                                                       special_tokens=[(EOT, eot)])
-    # split_special_tokens: a text that spells <|endoftext|> is encoded as text, as prepare_data.py does
+    if native:
+        bpe.post_processor = processors.TemplateProcessing(single=f"{EOT} $A", pair=f"{EOT} $A {EOT} $B",
+                                                           special_tokens=[(EOT, eot)])
+    # split_special_tokens: a text that spells <|endoftext|> is encoded as text, as prepare_data.py does;
+    # padding on the left, as generate needs a batch
     return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=EOT, eos_token=EOT, pad_token=EOT,
-                                   model_max_length=block_size, split_special_tokens=True)
+                                   model_max_length=block_size - (not native), split_special_tokens=True,
+                                   padding_side="left")
 
 
 def byte_symbols():
@@ -313,11 +402,13 @@ def gpt2_merges(ranks):
 
 def layout(c):
     """The card's two lines: which positions each layer sees, and whose keys and values it reads."""
+    from lib.attention.layout import kv_source, layer_window
+
     def these(layers, verb):
         one = len(layers) == 1
         return f"layer{'' if one else 's'} {', '.join(map(str, layers))} {verb}{'s' if one else ''}"
 
-    local = [layer for layer in range(c.n_layer) if c.layer_window(layer) is not None]
+    local = [layer for layer in range(c.n_layer) if layer_window(c, layer) is not None]
     seen = "every layer sees every position before it"
     if local:
         seen = (f"{these(local, 'see')} only the last {c.window} positions (`--window={c.window} "
@@ -325,8 +416,8 @@ def layout(c):
                 "the others every position before them")
     readers = {}  # owner: the other layers that read its keys and values
     for layer in range(c.n_layer):
-        if c.kv_source(layer) != layer:
-            readers.setdefault(c.kv_source(layer), []).append(layer)
+        if kv_source(c, layer) != layer:
+            readers.setdefault(kv_source(c, layer), []).append(layer)
     shared = "every layer computes its own"
     if readers:
         flags = " ".join([f"--cla={c.cla}"] * (c.cla > 1) + ["--yoco"] * c.yoco)
@@ -335,16 +426,18 @@ def layout(c):
     return f"- Windows: {seen}.\n- Keys and values: {shared}."
 
 
-def card(ckpt, model, native, command):
-    c, cfg, meta = model.config, ckpt.get("config", {}), ckpt["tokenizer"]
-    knobs = {"mha": [], "mqa": [], "gqa": ["n_kv_head"], "mla": ["kv_lora_rank", "rope_head_dim"],
-             "lrkv": ["lrkv_rank"], "gta": ["gta_kv_heads"], "gla": ["gla_latent_heads", "gla_latent_dim",
-             "rope_head_dim"], "tpa": ["tpa_q_rank", "tpa_kv_rank"],
-             "mlra": ["mlra_latent_heads", "mlra_latent_dim", "rope_head_dim"]}[c.attn]
-    shape = ", ".join(f"{k} {getattr(c, k)}" for k in ("n_layer", "n_head", "head_dim", "n_embd",
-                                                      "vocab_size", "block_size", *knobs))
+def card(ckpt, model, tok, native, command):
+    """README.md: the Hub's YAML header (licence, library, pipeline, tags), then what the model is, how it
+    loads, what it caches and how it was made."""
+    c, cfg = model.config, ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {}
+    meta = ckpt["tokenizer"] if isinstance(ckpt.get("tokenizer"), dict) else {}
+    shape = ["n_layer", "n_head", "head_dim", "n_embd", "vocab_size", "block_size"]
+    defaults = {field.name: field.default for field in dataclasses.fields(c)}
+    knobs = [f"{k} {v}" for k, v in dataclasses.asdict(c).items()
+             if k not in shape + ["attn"] and v != defaults[k]]
     per_token = {dtype: model.kv_cache_bytes(1, 1, dtype) for dtype in (torch.bfloat16, torch.float32)}
     mha_bytes = 2 * c.n_layer * c.n_embd * 2  # the native LRKV's: every head's key and value, in bf16
+    requirement = transformers_requirement()
     if native:
         load = "from_pretrained(folder)`, no remote code: transformers' NanoChatForCausalLM"
         cache = (f"transformers' DynamicCache, {per_token[torch.bfloat16]:,} bytes per token in bf16"
@@ -352,32 +445,50 @@ def card(ckpt, model, native, command):
                  f"transformers' DynamicCache of every head's full key and value, {mha_bytes:,} bytes "
                  f"per token in bf16 (MHA's), not LRKV's {per_token[torch.bfloat16]:,}: export without "
                  "--native to keep LRKV's cache")
+        reading = (f"The tokenizer puts end-of-text (id {tok.eot_id}) before every text, as every training "
+                   "document starts with it; so lm-eval's rolling log-likelihood scores that one token too "
+                   "(export with --remote_code to read texts as this repository does)")
     else:
-        load = "from_pretrained(folder, trust_remote_code=True)`, the model's code being modeling_lrkv.py"
-        cache = (f"modeling_lrkv.py's LatentCache, what this repository's decoder caches: "
-                 f"{per_token[torch.bfloat16]:,} bytes per token in bf16, {per_token[torch.float32]:,} in "
-                 "fp32 (model.kv_cache_bytes)")
+        load = ("from_pretrained(folder, trust_remote_code=True)`, or `AutoModel`: the code beside this "
+                "card, the lrkv repository's model.py run through modeling_lrkv.py")
+        cache = (f"LRKVCache, what this repository's decoder caches: {per_token[torch.bfloat16]:,} bytes per "
+                 f"token in bf16, {per_token[torch.float32]:,} in fp32 (model.kv_cache_bytes)")
         full = model.kv_cache_bytes(1, c.block_size, torch.bfloat16)
         if full < c.block_size * per_token[torch.bfloat16]:
             cache += (f"; a layer whose readers all have a window keeps only its last {c.window} positions, "
                       f"so a whole context of {c.block_size} tokens holds {full:,} bytes in bf16, not "
                       f"{c.block_size * per_token[torch.bfloat16]:,}")
+        reading = (f"The model reads every sequence after an end-of-text (id {tok.eot_id}), as every "
+                   "training document starts with one, and the tokenizer adds none: a text is scored and "
+                   "continued as this repository's sample.py and eval.py do, by lm-eval too")
+    vocabulary = ("GPT-2's byte-pair encoding, 50,257 tokens (OpenAI, MIT licence)" if tok.name == "gpt2"
+                  else "one token a byte, 256")
     steps, batch = ckpt.get("step"), cfg.get("batch_size")
-    tokens = f", {steps * batch * c.block_size:,} tokens" if steps is not None and batch else ""
+    known = isinstance(steps, int) and isinstance(batch, int)
+    tokens = f", {steps * batch * c.block_size:,} tokens" if known else ""
     val = ckpt.get("val_loss")
     flags = layout_flags(c)
-    return f"""# {c.attn}{f" ({' '.join(flags)})" if flags else ""}: a GPT of the lrkv repository
+    dimensions = ", ".join([f"{k} {getattr(c, k)}" for k in shape] + knobs)
+    tags = "".join(f"- {tag}\n" for tag in ["lrkv", f"attention-{c.attn}", *(["custom_code"] * (not native))])
+    return f"""---
+license: mit
+library_name: transformers
+pipeline_tag: text-generation
+tags:
+{tags}---
 
-Attention `--attn={c.attn}`, {model.get_num_params():,} parameters: {shape}.
+# {c.attn}{f" ({' '.join(flags)})" if flags else ""}: a GPT of the lrkv repository
 
-- Load: `AutoModelForCausalLM.{load}; the tokenizer likewise, `AutoTokenizer`.
+Attention `--attn={c.attn}`, {model.get_num_params():,} parameters: {dimensions}.
+
+- Load: `AutoModelForCausalLM.{load}; the tokenizer likewise, `AutoTokenizer`. Needs `{requirement}`.
 {layout(c)}
 - Cache: {cache}.
-- Tokenizer: {meta["tokenizer"]}, {meta["vocab_size"]} tokens, end-of-text id {meta["eot_id"]}, which the
-  tokenizer puts before every text (every training document starts with it).
+- Tokenizer: {vocabulary}, end-of-text id {tok.eot_id}, padding on the left. {reading}.
 - Training: data `{cfg.get("data_dir", "?")}` ({meta.get("source", "?")}), {steps} steps{tokens}.
-- Validation loss: {f"{val:.4f}" if val is not None else "not recorded"} nats per token.
+- Validation loss: {f"{val:.4f}" if isinstance(val, float) else "not recorded"} nats per token.
 - Made by: `{command}`
+- Licence: MIT (LICENSE), the code and these weights.
 
 Log-likelihoods and greedy tokens equal the repository's model.py (docs/export.md).
 """

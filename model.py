@@ -93,7 +93,7 @@ def rope_table(dim, max_len, theta):
 def apply_rope(x, rope):
     """RoPE on x (B, T, heads, D) by each token's row of rope (T, rope_dim): of the last rope_dim dims, i and
     i' = i + rope_dim/2 turn by s theta_i, (x_i, x_i') -> (x_i cos + x_i' sin, x_i' cos - x_i sin)."""
-    cos, sin = rope[:, None, :].to(x.dtype).chunk(2, dim=-1)  # (T, 1, half) each
+    cos, sin = rope.unsqueeze(-2).to(x.dtype).chunk(2, dim=-1)  # (T, 1, half) each, or (B, T, 1, half)
     x_pass, x1, x2 = x.split((x.size(-1) - 2 * cos.size(-1), cos.size(-1), cos.size(-1)), dim=-1)
     return torch.cat((x_pass, x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
 
@@ -288,17 +288,17 @@ class MultiHeadLatentAttention(Attention):
         return self.keys(c, k_rope) / rho.unsqueeze(-1), self.values(c)
 
 
-# Every variant by its --attn name; the four rivals by their path, imported when a model of one is built
-RIVALS = "lib.attention.rivals."
+# Every variant by its --attn name, a rival by its path under LIB, imported when a model of it is built
+LIB = "lib.attention."
 VARIANTS = {"mha": MultiHeadAttention, "mqa": MultiQueryAttention, "gqa": GroupedQueryAttention,
             "mla": MultiHeadLatentAttention, "lrkv": LowRankKVAttention,
-            "gta": RIVALS + "GroupedTiedAttention", "gla": RIVALS + "GroupedLatentAttention",
-            "tpa": RIVALS + "TensorProductAttention", "mlra": RIVALS + "MultiHeadLowRankAttention"}
+            "gta": LIB + "rivals.GroupedTiedAttention", "gla": LIB + "rivals.GroupedLatentAttention",
+            "tpa": LIB + "rivals.TensorProductAttention", "mlra": LIB + "rivals.MultiHeadLowRankAttention"}
 
 
 def attention_class(name):
     module, _, class_name = VARIANTS[name].rpartition(".") if isinstance(VARIANTS[name], str) else ("",) * 3
-    return getattr(importlib.import_module(module), class_name) if module else VARIANTS[name]
+    return getattr(importlib.import_module(module, __package__), class_name) if module else VARIANTS[name]
 
 
 class Block(nn.Module):
@@ -324,7 +324,7 @@ class GPT(nn.Module):
         self.register_buffer("rope", rope, persistent=False)
         self.layout = None  # shared keys (--cla, --yoco) and windows (--window): lib/attention/layout.py
         if config.cla > 1 or config.yoco or config.window is not None:
-            self.layout = importlib.import_module("lib.attention.layout").Layout(config, self)
+            self.layout = importlib.import_module(LIB + "layout", __package__).Layout(config, self)
         self.reset_parameters()
 
     @torch.no_grad()

@@ -8,9 +8,14 @@ as `lm_eval --model hf` and as a library, scores our log-likelihoods; MHA, GQA a
 transformers' own NanoChatForCausalLM, without remote code, and so does LRKV with --native; the
 tokenizers encode as the data's; bad input is one line and exit code 2 with nothing written."""
 
+import dataclasses
+import errno
 import functools
 import json
+import math
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,8 +37,9 @@ import export_hf  # noqa: E402
 import train  # noqa: E402
 from test_train import data_dir  # noqa: E402,F401 (a fixture)
 from lib.attention.decode import generate  # noqa: E402
-from lib.training.checkpoint import load_checkpoint  # noqa: E402
+from lib.training.checkpoint import digest, load_checkpoint  # noqa: E402
 from lib.training.data import get_tokenizer  # noqa: E402
+import model as model_module  # noqa: E402
 from model import GPTConfig  # noqa: E402
 
 from lm_eval import evaluator  # noqa: E402
@@ -41,7 +47,7 @@ from lm_eval.__main__ import cli_evaluate  # noqa: E402
 import lm_eval.tasks  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = ("mha", "mqa", "gqa", "mla", "lrkv", "gta", "gla", "tpa", "mlra")
@@ -71,13 +77,13 @@ LAYOUTS = {"window": dict(n_layer=4, window=W, window_pattern="SL"),
 
 @pytest.fixture(scope="module")
 def build(data_dir, tmp_path_factory):
-    """build(attn, cla=1, native=False, **layout): a checkpoint trained 3 steps (layout: flags of
-    LAYOUTS', over TINY's), exported, and loaded back by transformers (without remote code where the
-    export is native), each made once."""
+    """build(attn, cla=1, native=False, remote_code=False, **layout): a checkpoint trained 3 steps
+    (layout: flags of LAYOUTS', over TINY's), exported (--native, --remote_code as asked), and loaded back
+    by transformers (without remote code where the export is native), each made once."""
     made = {}
 
-    def get(attn, cla=1, native=False, **layout):
-        key = (attn, cla, native, *sorted(layout.items()))
+    def get(attn, cla=1, native=False, remote_code=False, **layout):
+        key = (attn, cla, native, remote_code, *sorted(layout.items()))
         if key not in made:
             name = f"{attn}-{cla}" + "".join(f"-{k}{v}" for k, v in layout.items())
             run = tmp_path_factory.getbasetemp() / f"run-{name}"
@@ -85,14 +91,16 @@ def build(data_dir, tmp_path_factory):
                 flags = {**TINY, "attn": attn, "cla": cla, **layout, "data_dir": data_dir, "out_dir": run}
                 with torch.enable_grad():  # the first test to ask may run under torch.no_grad
                     assert train.main([f"--{k}={v}" for k, v in flags.items()]) == 0
-            out = tmp_path_factory.mktemp("hf") / f"{name}{'-native' if native else ''}"
-            assert export_hf.main([str(run / "ckpt.pt"), str(out), *["--native"] * native]) == 0
-            is_native = native or (cla == 1 and attn in NATIVE and not layout)
-            _, model = load_checkpoint(run / "ckpt.pt", "cpu")
+            out = tmp_path_factory.mktemp("hf") / f"{name}{'-native' * native}{'-code' * remote_code}"
+            assert export_hf.main([str(run / "ckpt.pt"), str(out), *["--native"] * native,
+                                   *["--remote_code"] * remote_code]) == 0
+            is_native = native or (cla == 1 and attn in NATIVE and not layout and not remote_code)
+            ckpt, model = load_checkpoint(run / "ckpt.pt", "cpu")
             hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=not is_native)
             tok = AutoTokenizer.from_pretrained(out, trust_remote_code=not is_native)
             made[key] = SimpleNamespace(attn=attn, cla=cla, native=is_native, ckpt=run / "ckpt.pt", out=out,
-                                        model=model.eval(), hf=hf.eval(), tok=tok)
+                                        model=model.eval(), hf=hf.eval(), tok=tok,
+                                        model_args=ckpt["model_args"])
         return made[key]
 
     return get
@@ -104,15 +112,24 @@ def exported(request, build):
     return build(*request.param)
 
 
-def ids_of(tok, text):
-    return tok(text, return_tensors="pt")["input_ids"]  # (1, T), end-of-text first
+def ids_of(exported, text):
+    """(1, T): what transformers is given, the text as the exported tokenizer encodes it (a native
+    folder's puts end-of-text first; the remote code reads every sequence after one itself)."""
+    return exported.tok(text, return_tensors="pt")["input_ids"]
+
+
+def ours_of(exported, ids):
+    """Our model's logits (1, T, vocab) for what transformers reads of ids: after end-of-text."""
+    if exported.native:
+        return exported.model(ids)[0]
+    return exported.model(torch.cat((torch.full_like(ids[:, :1], EOT), ids), 1))[0][:, 1:]
 
 
 @torch.no_grad()
 def test_logits_and_loss_equal_ours(exported):
     model, hf = exported.model, exported.hf
-    ids = ids_of(exported.tok, PROMPTS[0])
-    ours = model(ids)[0]  # (1, T, vocab) fp32
+    ids = ids_of(exported, PROMPTS[0])
+    ours = ours_of(exported, ids)  # (1, T, vocab) fp32
     theirs = hf(ids, labels=ids)
     torch.testing.assert_close(theirs.logits, ours, atol=1e-5, rtol=0)
     torch.testing.assert_close(theirs.loss, F.cross_entropy(ours[0, :-1], ids[0, 1:]), atol=1e-5, rtol=0)
@@ -121,18 +138,22 @@ def test_logits_and_loss_equal_ours(exported):
 
 
 def assert_float64_logits_equal_ours(model, hf, ids):
-    """float64: the same equations, to rounding. Our forward hands back fp32 logits: lm_head's output
-    is taken."""
+    """float64: the same code, to rounding. Both forwards hand back fp32 logits (model.py's): lm_head's
+    outputs are taken, ours after the end-of-text that the remote code reads first."""
     captured = []
-    hook = model.lm_head.register_forward_hook(lambda module, args, output: captured.append(output))
+    gpt = hf.model.gpt_model
+    hooks = [m.register_forward_hook(lambda module, args, output: captured.append(output))
+             for m in (model.lm_head, gpt.lm_head)]
     try:
-        model.double()(ids)
-        theirs = hf.double()(ids).logits
+        model.double()(torch.cat((torch.full_like(ids[:, :1], EOT), ids), 1))
+        hf.double()(ids)
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
         model.float(), hf.float()
+    ours, theirs = captured[0][:, 1:], captured[-1]
     assert theirs.dtype == torch.float64
-    torch.testing.assert_close(theirs, captured[0], atol=1e-9, rtol=0)
+    torch.testing.assert_close(theirs, ours, atol=1e-9, rtol=0)
 
 
 def stop_at_eot(new):
@@ -141,18 +162,24 @@ def stop_at_eot(new):
     return new.masked_fill(after, EOT)
 
 
+def our_greedy(exported, text, new_tokens, **kwargs):
+    """Our generate's new tokens after the text, read after end-of-text (as sample.py reads a prompt)."""
+    ids = torch.tensor([[EOT, *text.encode()]])
+    return stop_at_eot(generate(exported.model, ids, new_tokens, vocab_size=BYTES, **kwargs)[:, ids.size(1):])
+
+
 def assert_greedy_left_padded_equals_ours(exported, new_tokens=NEW_TOKENS):
-    """transformers' generate, greedy on a left-padded batch of two prompts of different lengths,
-    gives each prompt the new_tokens (40) our generate gives it alone."""
-    model, hf, tok = exported.model, exported.hf, exported.tok
-    batch = tok(PROMPTS, padding=True, padding_side="left", return_tensors="pt")
-    assert batch["attention_mask"][1].eq(0).any()  # the second prompt is padded
+    """transformers' generate, greedy on a batch of two prompts of different lengths that the tokenizer
+    pads as it does by default (on the left), gives each prompt the new_tokens (40) our generate gives
+    it alone."""
+    hf, tok = exported.hf, exported.tok
+    batch = tok(PROMPTS, padding=True, return_tensors="pt")
+    assert batch["attention_mask"][1, 0] == 0  # the second prompt is padded, on the left
     greedy = hf.generate(**batch, max_new_tokens=new_tokens, do_sample=False)[:, batch["input_ids"].size(1):]
     assert greedy.ne(EOT).sum() > new_tokens  # text, not a row that stopped at once
     for row, prompt in enumerate(PROMPTS):
-        ids = ids_of(tok, prompt)
-        ours = generate(model, ids, new_tokens, temperature=0, vocab_size=BYTES)[:, ids.size(1):]
-        assert torch.equal(greedy[row:row + 1], stop_at_eot(ours)), prompt
+        ours = our_greedy(exported, prompt, new_tokens, temperature=0)
+        assert torch.equal(greedy[row:row + 1], ours), prompt
 
 
 @torch.no_grad()
@@ -160,46 +187,74 @@ def test_generate_equals_ours_greedy_sampled_and_left_padded(exported):
     """Greedy on a left-padded batch as assert_greedy_left_padded_equals_ours; sampling, seed for seed,
     our samples (fewer: the same loop)."""
     assert_greedy_left_padded_equals_ours(exported)
-    model, hf, tok = exported.model, exported.hf, exported.tok
-    ids = ids_of(tok, PROMPTS[0])
+    ids = ids_of(exported, PROMPTS[0])
     torch.manual_seed(1)
-    ours = generate(model, ids, NEW_TOKENS // 4, temperature=0.8, top_k=20, vocab_size=BYTES)[:, ids.size(1):]
+    ours = our_greedy(exported, PROMPTS[0], NEW_TOKENS // 4, temperature=0.8, top_k=20)
     torch.manual_seed(1)
-    sampled = hf.generate(ids, max_new_tokens=NEW_TOKENS // 4, do_sample=True, temperature=0.8, top_k=20,
-                          top_p=1.0)
-    assert torch.equal(sampled[:, ids.size(1):], stop_at_eot(ours))
+    sampled = exported.hf.generate(ids, max_new_tokens=NEW_TOKENS // 4, do_sample=True, temperature=0.8,
+                                   top_k=20, top_p=1.0)
+    assert torch.equal(sampled[:, ids.size(1):], ours)
 
 
 def cache_bytes(cache):
-    """Bytes of every tensor a transformers cache holds, in any of its layers' attributes."""
+    """Bytes of every tensor a transformers cache holds: the remote code's buffers, or a native cache's
+    tensors in any of its layers' attributes."""
     def tensors(value):
         if torch.is_tensor(value):
             return [value]
         if isinstance(value, dict):
             return [t for v in value.values() for t in tensors(v)]
         return []
+    if hasattr(cache, "ring"):
+        return sum(buf.nbytes for layer in cache.ring.layers for buf in layer.values())
     return sum(t.nbytes for layer in cache.layers for t in tensors(vars(layer)))
+
+
+def cache_of(output):
+    return output.cache if getattr(output, "cache", None) is not None else output.past_key_values
 
 
 @torch.no_grad()
 def test_cache_after_a_prompt_holds_our_bytes(exported):
-    ids = ids_of(exported.tok, PROMPTS[0]).repeat(2, 1)  # (B, S), B = 2
-    cache = exported.hf(ids, use_cache=True).past_key_values
-    assert cache_bytes(cache) == exported.model.kv_cache_bytes(*ids.shape, torch.float32) > 0
+    """The bytes of our cache of the same positions: the remote code's, the end-of-text included."""
+    ids = ids_of(exported, PROMPTS[0]).repeat(2, 1)  # (B, S), B = 2
+    cache = cache_of(exported.hf(ids, use_cache=True))
+    held = ids.size(1) + (not exported.native)
+    assert cache_bytes(cache) == exported.model.kv_cache_bytes(2, held, torch.float32) > 0
 
 
-def test_native_exports_load_without_remote_code(exported):
+def test_the_folder_runs_the_repositorys_code(exported):
+    """A remote-code folder holds model.py and the lib/attention files the model runs, each as the
+    repository has it, but for its imports made relative, and hf/modeling_lrkv.py with an import of each;
+    a native one holds none. The card has the Hub's YAML header, the variant and the transformers it
+    needs; the licence is beside it."""
     config = json.loads((exported.out / "config.json").read_text())
     if exported.native:
         assert type(exported.hf).__name__ == "NanoChatForCausalLM" and "auto_map" not in config
-        assert not (exported.out / "modeling_lrkv.py").exists()
+        assert not list(exported.out.glob("*.py"))
     else:
         assert type(exported.hf).__name__ == "LRKVForCausalLM"
         assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_lrkv.LRKVForCausalLM"
-        copied = (exported.out / "modeling_lrkv.py").read_bytes()
-        assert copied == (REPO / "hf" / "modeling_lrkv.py").read_bytes()
+        assert config["model_args"] == exported.model_args
+        modeling = (exported.out / "modeling_lrkv.py").read_text()
+        assert modeling.startswith((REPO / "hf" / "modeling_lrkv.py").read_text())
+        files = {"model": REPO / "model.py", "ring": REPO / "lib/attention/ring.py",
+                 "layout": REPO / "lib/attention/layout.py"}
+        if exported.attn in ("gta", "gla", "tpa", "mlra"):
+            files["rivals"] = REPO / "lib/attention/rivals.py"
+        assert sorted(p.stem for p in exported.out.glob("*.py")) == sorted([*files, "modeling_lrkv"])
+        for name, source in files.items():
+            ours = source.read_text().splitlines()
+            theirs = (exported.out / f"{name}.py").read_text().splitlines()
+            differing = [(a, b) for a, b in zip(ours, theirs) if a != b]
+            assert len(ours) == len(theirs) and all(
+                a.startswith(("from model ", "from lib.attention", "LIB = ")) for a, _ in differing), name
+            assert f"from .{name} import __name__" in modeling
     card = (exported.out / "README.md").read_text()
+    assert card.startswith("---\nlicense: mit\nlibrary_name: transformers\npipeline_tag: text-generation\n")
     assert f"--attn={exported.attn}" in card and "export_hf.py" in card
+    assert export_hf.transformers_requirement() in card
+    assert (exported.out / "LICENSE").read_text() == (REPO / "LICENSE").read_text()
 
 
 @torch.no_grad()
@@ -209,13 +264,12 @@ def test_native_lrkv_equals_ours_with_mha_sized_cache(build):
     lrkv = build("lrkv", 1, native=True)
     model, hf = lrkv.model, lrkv.hf
     assert type(hf).__name__ == "NanoChatForCausalLM"
-    ids = ids_of(lrkv.tok, PROMPTS[0])
+    ids = ids_of(lrkv, PROMPTS[0])
     torch.testing.assert_close(hf(ids).logits, model(ids)[0], atol=1e-5, rtol=0)
     greedy = hf.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)[:, ids.size(1):]
-    assert torch.equal(greedy, stop_at_eot(generate(model, ids, NEW_TOKENS, temperature=0, vocab_size=BYTES)
-                                           [:, ids.size(1):]))
+    assert torch.equal(greedy, our_greedy(lrkv, PROMPTS[0], NEW_TOKENS, temperature=0))
     c = model.config
-    cache = hf(ids, use_cache=True).past_key_values
+    cache = cache_of(hf(ids, use_cache=True))
     mha = 2 * c.n_layer * ids.size(1) * c.n_head * c.head_dim * 4  # every head's key and value, fp32
     assert cache_bytes(cache) == mha
     assert cache_bytes(cache) > model.kv_cache_bytes(1, ids.size(1), torch.float32)
@@ -239,15 +293,15 @@ def test_windows_and_sharing_give_our_logits_and_greedy_tokens(laid_out):
     prompts (each longer than W), our tokens."""
     model, hf, c = laid_out.model, laid_out.hf, laid_out.model.config
     assert type(hf).__name__ == "LRKVForCausalLM"
-    config = json.loads((laid_out.out / "config.json").read_text())
+    config = json.loads((laid_out.out / "config.json").read_text())["model_args"]
     assert {k: config[k] for k in ("n_layer", "cla", "yoco", "window", "window_pattern")} == \
         {k: getattr(c, k) for k in ("n_layer", "cla", "yoco", "window", "window_pattern")}
     card = (laid_out.out / "README.md").read_text()
     assert f"--window={W} --window_pattern={c.window_pattern}" in card and "- Keys and values: " in card
     assert ("--yoco" in card) == c.yoco
-    ids = ids_of(laid_out.tok, PROMPTS[0])
+    ids = ids_of(laid_out, PROMPTS[0])
     assert ids.size(1) > W
-    torch.testing.assert_close(hf(ids).logits, model(ids)[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(hf(ids).logits, ours_of(laid_out, ids), atol=1e-5, rtol=0)
     assert_float64_logits_equal_ours(model, hf, ids)
     assert_greedy_left_padded_equals_ours(laid_out, 3 * W)
 
@@ -256,28 +310,30 @@ def test_windows_and_sharing_give_our_logits_and_greedy_tokens(laid_out):
 def test_windows_cache_holds_our_bytes_and_a_chunk_past_the_window_is_exact(laid_out):
     """After a prompt longer than the window, the cache holds kv_cache_bytes, which a window's last W
     positions make less than a full cache; a chunk of 2W + 1 tokens, then tokens one by one, give the
-    full forward's logits, and the cache still holds kv_cache_bytes."""
+    full forward's logits, and the cache still holds kv_cache_bytes (the end-of-text counted)."""
     model, hf = laid_out.model, laid_out.hf
-    ids = ids_of(laid_out.tok, PROMPTS[0]).repeat(2, 1)  # (B, S), B = 2
+    ids = ids_of(laid_out, PROMPTS[0]).repeat(2, 1)  # (B, S), B = 2
     prompt, chunk = 2 * W, 2 * W + 1
     out = hf(ids[:, :prompt], use_cache=True)
-    held = model.kv_cache_bytes(2, prompt, torch.float32)
-    assert cache_bytes(out.past_key_values) == held < prompt * model.kv_cache_bytes(2, 1, torch.float32)
+    held = model.kv_cache_bytes(2, prompt + 1, torch.float32)
+    assert cache_bytes(cache_of(out)) == held < (prompt + 1) * model.kv_cache_bytes(2, 1, torch.float32)
     logits = [out.logits]
     for start, end in [(prompt, prompt + chunk), *[(t, t + 1) for t in range(prompt + chunk, ids.size(1))]]:
-        out = hf(ids[:, start:end], past_key_values=out.past_key_values, use_cache=True)
+        out = hf(ids[:, start:end], past_key_values=cache_of(out), use_cache=True)
         logits.append(out.logits)
-    torch.testing.assert_close(torch.cat(logits, dim=1), model(ids)[0], atol=1e-5, rtol=0)
-    assert cache_bytes(out.past_key_values) == model.kv_cache_bytes(*ids.shape, torch.float32)
+    torch.testing.assert_close(torch.cat(logits, dim=1), ours_of(laid_out, ids), atol=1e-5, rtol=0)
+    assert cache_bytes(cache_of(out)) == model.kv_cache_bytes(2, ids.size(1) + 1, torch.float32)
 
 
 # lm-evaluation-harness
 
 @pytest.fixture(scope="module")
 def task_dir(tmp_path_factory):
-    """A multiple-choice task of DOCS, defined from local files: lm-eval's --include_path."""
+    """Two tasks defined from local files (lm-eval's --include_path): multiple choice over DOCS, and the
+    rolling log-likelihood of TEXTS_TO_SCORE (bits per byte, as wikitext's)."""
     folder = tmp_path_factory.mktemp("tasks")
     (folder / "docs.jsonl").write_text("".join(json.dumps(doc) + "\n" for doc in DOCS))
+    (folder / "texts.jsonl").write_text("".join(json.dumps(dict(text=t)) + "\n" for t in TEXTS_TO_SCORE))
     (folder / "task.yaml").write_text(f"""task: {TASK}
 dataset_path: json
 dataset_kwargs:
@@ -295,17 +351,53 @@ metric_list:
     aggregation: mean
     higher_is_better: true
 """)
+    (folder / "rolling.yaml").write_text(f"""task: {ROLLING}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {folder / "texts.jsonl"}
+  cache_dir: {folder / "datasets-rolling"}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: bits_per_byte
+""")
     return folder
+
+
+ROLLING = "lrkv_export_rolling"
+# one text within a window (block_size 64 less the end-of-text: 63 tokens), one of two windows
+TEXTS_TO_SCORE = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over the lazy dog. " * 2]
 
 
 @torch.no_grad()
 def our_loglikelihood(model, context, continuation):
-    """log p(continuation | context) by our GPT: the byte tokens, end-of-text before the context as the
-    exported tokenizer puts it, summed over the continuation's tokens."""
+    """log p(continuation | context) by our GPT: the byte tokens after end-of-text, as eval.py reads a
+    request, summed over the continuation's tokens."""
     ctx, cont = [EOT, *context.encode()], [*continuation.encode()]
     ids = torch.tensor([ctx + cont])
     logp = model(ids[:, :-1])[0][0].log_softmax(dim=-1)  # (T - 1, vocab): the next token's
     return logp[len(ctx) - 1:].gather(1, torch.tensor(cont)[:, None]).sum().item()
+
+
+@torch.no_grad()
+def our_bits_per_byte(model, texts):
+    """Every text's tokens scored after end-of-text, in windows of block_size: each text's first after
+    end-of-text, each next window after end-of-text and the tokens that precede it (as many as fit): the
+    summed log-likelihoods over the summed bytes, in bits."""
+    L, total, n_bytes = model.config.block_size, 0.0, 0
+    for text in texts:
+        tokens, done = [*text.encode()], 0
+        while done < len(tokens):
+            new = min(len(tokens) - done, L - 1)
+            context = tokens[max(0, done + new - (L - 1)):done]
+            scored = bytes(tokens[done:done + new]).decode()
+            total += our_loglikelihood(model, bytes(context).decode(), scored)
+            done += new
+        n_bytes += len(text.encode())
+    return -total / n_bytes / math.log(2)
 
 
 def assert_loglikelihoods_equal_ours(model, samples):
@@ -334,6 +426,21 @@ def test_lm_eval_loglikelihoods_equal_ours(exported, task_manager):
     assert_loglikelihoods_equal_ours(exported.model, results["samples"][TASK])
 
 
+@pytest.mark.parametrize("attn", ["lrkv", "mla", "mha"])
+def test_lm_eval_rolling_bits_per_byte_and_choices_equal_ours_with_one_folder(build, task_manager, attn):
+    """One remote-code folder at lm-eval's defaults: the rolling log-likelihood's bits per byte is ours
+    to 1e-4 (texts read after end-of-text, no end-of-text scored), and the multiple-choice
+    log-likelihoods ours to 1e-5 (contexts after end-of-text), in the same evaluation. MHA exported
+    with --remote_code reads texts as the remote code does."""
+    exported = build(attn, 1, remote_code=attn == "mha")
+    assert not exported.native
+    lm = HFLM(pretrained=str(exported.out), trust_remote_code=True, device="cpu", batch_size=4)
+    results = evaluator.evaluate(lm, task_manager.load([TASK, ROLLING]), log_samples=True, bootstrap_iters=0)
+    assert_loglikelihoods_equal_ours(exported.model, results["samples"][TASK])
+    bpb = results["results"][ROLLING]["bits_per_byte,none"]
+    assert bpb == pytest.approx(our_bits_per_byte(exported.model, TEXTS_TO_SCORE), abs=1e-4)
+
+
 def test_lm_eval_command_offline(build, task_dir, tmp_path, monkeypatch):
     """The command docs/export.md gives, `lm_eval --model hf --model_args pretrained=OUT_DIR,
     trust_remote_code=True`, on the remote code of LRKV sharing keys across layers: its samples file
@@ -352,26 +459,136 @@ def test_lm_eval_command_offline(build, task_dir, tmp_path, monkeypatch):
     assert_loglikelihoods_equal_ours(lrkv.model, [json.loads(line) for line in lines])
 
 
+# What users reach for: SDPA, AutoModel and hidden states, gradient checkpointing, prompt lookup and
+# assisted decoding, the context's end
+
+@torch.no_grad()
+def test_sdpa_automodel_and_hidden_states(build):
+    """attn_implementation="sdpa" loads (the model attends through SDPA whatever is asked); AutoModel
+    gives the final hidden states (lm_head's input in our model) and, with output_hidden_states, n_layer
+    + 1 of them, the first the normalised embedding, the last the final."""
+    lrkv = build("lrkv", 2)
+    sdpa = AutoModelForCausalLM.from_pretrained(lrkv.out, trust_remote_code=True, attn_implementation="sdpa")
+    ids = ids_of(lrkv, PROMPTS[0])
+    torch.testing.assert_close(sdpa(ids).logits, ours_of(lrkv, ids), atol=1e-5, rtol=0)
+    base = AutoModel.from_pretrained(lrkv.out, trust_remote_code=True)
+    assert type(base).__name__ == "LRKVModel"
+    captured = []
+    hooks = [lrkv.model.lm_head.register_forward_pre_hook(lambda m, args: captured.append(args[0])),
+             lrkv.model.blocks[0].register_forward_pre_hook(lambda m, args: captured.append(args[0]))]
+    try:
+        lrkv.model(torch.cat((torch.full_like(ids[:, :1], EOT), ids), 1))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    embedding, final = captured[0][:, 1:], captured[1][:, 1:]
+    for out in (base(ids, output_hidden_states=True), base(ids, output_hidden_states=True, use_cache=False)):
+        torch.testing.assert_close(out.last_hidden_state, final, atol=1e-5, rtol=0)
+        assert len(out.hidden_states) == lrkv.model.config.n_layer + 1
+        torch.testing.assert_close(out.hidden_states[0], embedding, atol=1e-6, rtol=0)
+        torch.testing.assert_close(out.hidden_states[-1], final, atol=1e-5, rtol=0)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(build):
+    """gradient_checkpointing_enable() recomputes each block in the backward: the loss and every
+    gradient as without it, through the training path (no cache, no pad)."""
+    lrkv = build("lrkv", 1)
+    hf = AutoModelForCausalLM.from_pretrained(lrkv.out, trust_remote_code=True).train()
+    ids = lrkv.tok([PROMPTS[0][:12]] * 2, return_tensors="pt")["input_ids"]
+    grads = []
+    for checkpointing in (False, True):
+        (hf.gradient_checkpointing_enable if checkpointing else hf.gradient_checkpointing_disable)()
+        assert hf.is_gradient_checkpointing == checkpointing
+        hf.zero_grad()
+        loss = hf(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        grads.append((loss.detach(), [p.grad.clone() for p in hf.parameters()]))
+    torch.testing.assert_close(grads[0][0], grads[1][0])
+    for a, b in zip(grads[0][1], grads[1][1]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("attn", ["lrkv", "mla"])
+def test_prompt_lookup_and_assisted_decoding_give_greedy_tokens(build, attn):
+    """Prompt lookup and assisted decoding (the model assisting itself) need a cache that generate can
+    crop: they give the greedy tokens, with no cache made by hand."""
+    exported = build(attn, 2)
+    ids = ids_of(exported, PROMPTS[0])
+    greedy = exported.hf.generate(ids, max_new_tokens=20, do_sample=False)
+    looked_up = exported.hf.generate(ids, max_new_tokens=20, do_sample=False, prompt_lookup_num_tokens=3)
+    assisted = exported.hf.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=exported.hf)
+    assert torch.equal(looked_up, greedy) and torch.equal(assisted, greedy)
+
+
+def test_a_sequence_past_the_context_is_one_line(build):
+    lrkv = build("lrkv", 1)
+    too_long = torch.ones(1, TINY["block_size"], dtype=torch.long)  # and the end-of-text: block_size + 1
+    for use_cache in (True, False):
+        with pytest.raises(ValueError, match=r"^a sequence holds at most 63 tokens \(block_size 64, one of "
+                                             r"them the end-of-text it is read after\), 64 were given$"):
+            lrkv.hf(too_long, use_cache=use_cache)
+
+
+def test_a_variant_defined_only_in_a_test_exports(data_dir, tmp_path, monkeypatch):
+    """tests/variants.py's PerLayerRankAttention (LRKV whose rank grows with depth), registered under an
+    --attn name for this test alone, as test_variant.py registers it: it trains, exports (its file
+    carried into the folder, no line of export_hf.py or modeling_lrkv.py naming it) and loads with our
+    logits."""
+    from variants import PerLayerRankAttention
+
+    monkeypatch.setitem(model_module.VARIANTS, "lrkv_per_layer_test", PerLayerRankAttention)
+    run, out = tmp_path / "run", tmp_path / "hf"
+    flags = {**TINY, "attn": "lrkv_per_layer_test", "data_dir": data_dir, "out_dir": run}
+    assert train.main([f"--{k}={v}" for k, v in flags.items()]) == 0
+    assert export_hf.main([str(run / "ckpt.pt"), str(out)]) == 0
+    files = ["layout.py", "model.py", "modeling_lrkv.py", "ring.py", "variants.py"]
+    assert sorted(p.name for p in out.glob("*.py")) == files
+    assert json.loads((out / "config.json").read_text())["variant"] == "variants.PerLayerRankAttention"
+    hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    _, model = load_checkpoint(run / "ckpt.pt", "cpu")
+    ids = torch.tensor([[*PROMPTS[0].encode()]])
+    with torch.no_grad():
+        ours = model(torch.cat((torch.full_like(ids[:, :1], EOT), ids), 1))[0][:, 1:]
+        torch.testing.assert_close(hf(ids).logits, ours, atol=1e-5, rtol=0)
+
+
+def test_a_variant_whose_file_imports_what_a_folder_cannot_hold_is_one_line(build, tmp_path, monkeypatch,
+                                                                             capsys):
+    """A variant class in a file that imports more than torch, Python and the repository's model code
+    (here train.py's) is refused in one line, nothing written."""
+    ckpt = build("mha", 1).ckpt
+    capsys.readouterr()
+    monkeypatch.setitem(model_module.VARIANTS, "mha", type("Imported", (model_module.MultiHeadAttention,),
+                                                           {"__module__": __name__}))
+    monkeypatch.setattr(export_hf.inspect, "getsourcefile", lambda cls: __file__)
+    assert export_hf.main([str(ckpt), str(tmp_path / "out"), "--remote_code"]) == 2
+    assert "which an exported folder cannot hold" in one_line_error(capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
 # The tokenizers
 
 TEXTS = ["Hello, world!", "  def f(x):\n\treturn x ** 2  # été ✓\n", "<|endoftext|> spelled out", "a\0b"]
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["remote", "native"])
 @pytest.mark.parametrize("name", ["byte", "gpt2"])
-def test_tokenizer_encodes_as_the_data_does(name, tmp_path):
-    """The exported tokenizer: end-of-text, then what prepare_data.py's tokenizer makes of the text
-    (a NUL is no byte token: it would read as end-of-text); decoding gives the text back."""
+def test_tokenizer_encodes_as_the_data_does(name, native, tmp_path):
+    """The exported tokenizer: what prepare_data.py's tokenizer makes of the text (a NUL is no byte
+    token: it would read as end-of-text), end-of-text before it for NanoChat, which does not read texts
+    after one itself; padding on the left; decoding gives the text back."""
     ours = get_tokenizer(name)
-    meta = dict(tokenizer=name, vocab_size=ours.vocab_size, eot_id=ours.eot_id)
-    export_hf.tokenizer(meta, 64).save_pretrained(tmp_path)
+    export_hf.tokenizer(ours, 64, native).save_pretrained(tmp_path)
     tok = AutoTokenizer.from_pretrained(tmp_path)
+    assert tok.padding_side == "left"
     for text in TEXTS:
         if name == "byte":
             expected = ours.encode_bytes(text.encode()).tolist()
         else:
             expected = ours.encode_batch([text])[0].tolist()
         ids = tok(text)["input_ids"]
-        assert ids == [ours.eot_id, *expected], text
+        assert ids == [ours.eot_id] * native + expected, text
         assert tok.decode(ids, skip_special_tokens=True) == ours.decode(expected)
 
 
@@ -415,24 +632,12 @@ def test_native_for_a_variant_it_cannot_express(build, attn, cla, layout, tmp_pa
     (dict(window=5), False), (dict(cla=2), False), (dict(n_layer=4, yoco=True), False),
     (dict(attn="lrkv"), False)])
 def test_mha_is_native_unless_a_layer_shares_keys_or_has_a_window(knobs, native):
-    """A flag that changes no layer (--yoco on 2 layers, a window no layer has) keeps MHA native."""
-    meta = dict(tokenizer="byte", vocab_size=BYTES, eot_id=EOT)
-    ckpt = dict(model_args=dict(vocab_size=BYTES), tokenizer=meta)
-    assert export_hf.check("ckpt.pt", ckpt, GPTConfig(**{"attn": "mha", **knobs}), False) == native
-
-
-def test_a_knob_the_remote_code_does_not_know(build, tmp_path, monkeypatch, capsys):
-    """A knob of model_args that modeling_lrkv.py lacks (one the repository gains after it) is
-    refused unless it is at its default: here a stand-in modeling_lrkv.py that lacks lrkv_rank, and
-    a checkpoint trained with --lrkv_rank=2."""
-    ckpt = build("lrkv", 1).ckpt  # exported by the real modeling_lrkv.py, before the stand-in
-    known = {name: None for name in export_hf.load_modeling().LRKVConfig.__dataclass_fields__}
-    del known["lrkv_rank"]
-    stand_in = SimpleNamespace(LRKVConfig=SimpleNamespace(__dataclass_fields__=known))
-    monkeypatch.setattr(export_hf, "load_modeling", lambda: stand_in)
-    assert export_hf.main([str(ckpt), str(tmp_path / "out")]) == 2
-    assert "--lrkv_rank=2" in one_line_error(capsys)
-    assert list(tmp_path.iterdir()) == []
+    """A flag that changes no layer (--yoco on 2 layers, a window no layer has) keeps MHA native;
+    --remote_code makes none native."""
+    tok = get_tokenizer("byte")
+    config = GPTConfig(**{"attn": "mha", "vocab_size": BYTES, **knobs})
+    assert export_hf.check("ckpt.pt", tok, config, False, False) == native
+    assert export_hf.check("ckpt.pt", tok, config, False, True) is False
 
 
 def test_a_failed_export_leaves_nothing(build, tmp_path, monkeypatch):
@@ -452,3 +657,154 @@ def test_bad_input_from_the_command_line(tmp_path):
                           str(tmp_path / "out")], capture_output=True, text=True, cwd=REPO)
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "missing.pt" in run.stderr, run.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+# An exported folder refuses a config.json that cannot make the model its weights are, in one line
+
+def edited(folder, tmp_path, edit):
+    """A copy of folder whose config.json edit(config) has changed."""
+    copy = tmp_path / "edited"
+    shutil.copytree(folder, copy)
+    config = json.loads((copy / "config.json").read_text())
+    edit(config)
+    (copy / "config.json").write_text(json.dumps(config))
+    return copy
+
+
+def refused(folder, *fragments):
+    """from_pretrained's error: one line, naming what config.json has wrong."""
+    with pytest.raises(ValueError) as error:
+        AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith("config.json: "), message
+    assert all(fragment in message for fragment in fragments), message
+    return message
+
+
+FIELDS = [field.name for field in dataclasses.fields(GPTConfig)]
+WRONG_TYPES = {int: "4", float: "10000.0", bool: "yes", str: 5, int | None: 2.5}
+OUT_OF_RANGE = [("n_layer", 0), ("cla", 3), ("window", 0), ("window", -1), ("window", 65),
+                ("window_pattern", "sxl"), ("window_pattern", "SXL"), ("window_pattern", ""),
+                ("rope_theta", 0), ("rope_theta", float("nan")),
+                ("attn", "flash"), ("head_dim", 7), ("lrkv_rank", 9), ("yoco", 1)]
+
+
+@pytest.mark.parametrize("field", FIELDS)
+def test_a_missing_or_mistyped_field_is_refused_by_name(build, tmp_path, field):
+    lrkv = build("lrkv", 2)
+    missing = edited(lrkv.out, tmp_path, lambda c: c["model_args"].pop(field))
+    refused(missing, f"model_args.{field}", "missing")
+    kind = {f.name: f.type for f in dataclasses.fields(GPTConfig)}[field]
+    bad = WRONG_TYPES[kind]
+    shutil.rmtree(tmp_path / "edited")
+    mistyped = edited(lrkv.out, tmp_path, lambda c: c["model_args"].update({field: bad}))
+    refused(mistyped, f"model_args.{field}=")
+
+
+@pytest.mark.parametrize("field, value", OUT_OF_RANGE, ids=lambda v: str(v))
+def test_an_out_of_range_field_is_refused_by_name(build, tmp_path, field, value):
+    lrkv = build("lrkv", 2)
+    out_of_range = edited(lrkv.out, tmp_path, lambda c: c["model_args"].update({field: value}))
+    refused(out_of_range, f"model_args.{field}=")
+
+
+@pytest.mark.parametrize("edits, named", [
+    (dict(vocab_size=300), "vocab_size"), (dict(lrkv_rank=3), "lrkv_rank"),
+    (dict(head_dim=16, n_embd=64), "head_dim"), (dict(n_layer=4), "n_layer"),
+    (dict(n_head=2, head_dim=16), "n_head")])
+def test_fields_that_disagree_with_the_weights_are_refused_by_name(build, tmp_path, edits, named):
+    """Fields each valid, but not the weights': the message names the fields that shape the first
+    tensor that disagrees."""
+    lrkv = build("lrkv", 2)
+    disagreeing = edited(lrkv.out, tmp_path, lambda c: c["model_args"].update(edits))
+    refused(disagreeing, named, "model.safetensors holds")
+
+
+def test_a_bad_end_of_text_or_variant_is_refused(build, tmp_path):
+    lrkv = build("lrkv", 2)
+    refused(edited(lrkv.out, tmp_path, lambda c: c.update(eot_id=None)), "eot_id=None")
+    shutil.rmtree(tmp_path / "edited")
+    refused(edited(lrkv.out, tmp_path, lambda c: c.update(eot_id=999)), "eot_id=999")
+    shutil.rmtree(tmp_path / "edited")
+    refused(edited(lrkv.out, tmp_path, lambda c: c.update(model_args=[1, 2])), "model_args=[1, 2]")
+
+
+def test_too_old_a_transformers_is_one_line(build):
+    """The folder's code says which transformers it needs, in one line, where an older one imports it
+    (its import calls check_transformers with transformers' version); the version is requirements-hf.txt's
+    lowest."""
+    lrkv = build("lrkv", 2)
+    module = sys.modules[type(lrkv.hf).__module__]
+    low = re.search(r"transformers>=([0-9.]+)", export_hf.transformers_requirement()).group(1)
+    assert ".".join(map(str, module.MIN_TRANSFORMERS)) == low
+    message = rf"^this model needs transformers >= {re.escape(low)}, not 4\.57\.3: "
+    with pytest.raises(ImportError, match=message):
+        module.check_transformers("4.57.3")
+    module.check_transformers(transformers.__version__)
+
+
+# export_hf.py's own failures: a full disk, a folder it cannot write, a tokenizer record of another age,
+# an export killed midway
+
+@pytest.mark.parametrize("error", ["oserror", "safetensors"])
+def test_a_full_disk_is_one_line_and_leaves_nothing(build, tmp_path, monkeypatch, capsys, error):
+    """A stand-in for a disk that fills while the weights are written (root can mount no tmpfs here):
+    the OSError Python raises, or the SafetensorError safetensors raises for it."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def full(*args, **kwargs):
+        if error == "oserror":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
+                              "message: \"No space left on device\" })")
+
+    ckpt = build("lrkv", 1).ckpt
+    capsys.readouterr()
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    assert export_hf.main([str(ckpt), str(tmp_path / "out")]) == 2
+    assert "No space left on device" in one_line_error(capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_folder_it_cannot_write_is_one_line(build, tmp_path, capsys):
+    """OUT_DIR under a file (root writes any folder, so a file stands where a folder must)."""
+    (tmp_path / "file").write_text("a file")
+    ckpt = build("lrkv", 1).ckpt
+    capsys.readouterr()
+    assert export_hf.main([str(ckpt), str(tmp_path / "file" / "out")]) == 2
+    assert f"cannot be written: File exists ({tmp_path / 'file'})" in one_line_error(capsys)
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]
+
+
+@pytest.mark.parametrize("record, exports", [
+    ({"tokenizer": "byte"}, True),  # an older record: its vocabulary and end-of-text are the tokenizer's
+    ({"tokenizer": "byte", "vocab_size": "256", "eot_id": None}, True),  # read as sample.py reads it
+    (None, False), ({"tokenizer": "sentencepiece"}, False), ("byte", False)])
+def test_tokenizer_records_of_another_age(build, tmp_path, capsys, record, exports):
+    ckpt = torch.load(build("lrkv", 1).ckpt, weights_only=True)
+    if record is None:
+        del ckpt["tokenizer"]
+    else:
+        ckpt["tokenizer"] = record
+    ckpt.pop("digest")
+    ckpt["digest"] = digest(ckpt)  # an intact checkpoint of another age, not a damaged one
+    torch.save(ckpt, tmp_path / "ckpt.pt")
+    capsys.readouterr()
+    code = export_hf.main([str(tmp_path / "ckpt.pt"), str(tmp_path / "out")])
+    if exports:
+        assert code == 0 and (tmp_path / "out" / "tokenizer.json").exists()
+    else:
+        assert code == 2 and "tokenizer" in one_line_error(capsys)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
+
+
+def test_a_killed_exports_temporary_folder_is_removed_and_said(build, tmp_path, capsys):
+    stale = tmp_path / ".out.k1ll3d"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half")
+    ckpt = build("lrkv", 1).ckpt
+    capsys.readouterr()
+    assert export_hf.main([str(ckpt), str(tmp_path / "out")]) == 0
+    assert f"removed {stale}" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]

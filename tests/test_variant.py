@@ -16,11 +16,9 @@ and the others in their tables, for one test."""
 import inspect
 import itertools
 import json
-from dataclasses import replace
 
 import pytest
 import torch
-import torch.nn as nn
 
 import analyze
 from lib.evaluation import runs
@@ -31,35 +29,15 @@ import test_decode
 import test_model
 import test_window
 import train
-from lib.attention import convert, decode, heads
+from lib.attention import convert, decode
+from lib.attention.heads import HEAD_KV_WEIGHTS
 from lib.attention.ring import masked_softmax
 import model
-from model import GroupedQueryAttention, LowRankKVAttention, apply_rope, norm, rms
+from variants import (GroupedLowRankKVAttention, InterleavedGroupedQueryAttention, LowRankKeyAttention,
+                      PerLayerRankAttention, layer_rank)
 from references import KEY_RMS_MIB, Reference
 from test_train import data_dir, flags  # noqa: F401 (data_dir is a fixture)
 from tools import bench
-
-
-class InterleavedGroupedQueryAttention(GroupedQueryAttention):
-    """G = config.n_kv_head key/value heads, query head h reading head h mod G, so that neighbouring
-    query heads read different keys. GQA's projections, checks and cache (2 G d_h per token); only
-    which query head reads which key/value head differs."""
-
-    def keys_values(self, x, rope):
-        return self.tiled(*super().keys_values(x, rope))
-
-    def tiled(self, k, v):
-        # SDPA's enable_gqa groups heads contiguously: tile the G heads H/G times instead, so that
-        # head h meets head h mod G
-        tiles = self.n_head // self.n_kv_head
-        return k.repeat(1, 1, tiles, 1), v.repeat(1, 1, tiles, 1)
-
-    def cache_entries(self, x, rope):
-        k, v = super().keys_values(x, rope)  # the G heads, not tiled
-        return {"k": k, "v": v}
-
-    def cached_keys_values(self, rope, k, v):
-        return self.tiled(k, v)
 
 
 def interleaved_head_kv_weights(attn):
@@ -76,39 +54,6 @@ def load_interleaved_head_kv_weights(attn, W_K, W_V, C=None):
 
 
 convert.LOAD_HEAD_KV_WEIGHTS[InterleavedGroupedQueryAttention] = load_interleaved_head_kv_weights
-
-
-class LowRankKeyAttention(LowRankKVAttention):
-    """LRK: LRKV's keys, K_h = X W_shared^K + (X U_h^K)(B_h^K)^T, and one value V = X W_shared^V that
-    every head shares, as MQA's. Cache per token 2 d_h + H r + H."""
-
-    def __init__(self, config, layer):
-        super().__init__(config, layer)
-        del self.U_v, self.B_v  # LRKV's value residual, which LRK does without
-
-    def key_parts(self, x):
-        """K_shared = X W_shared, R^K = X U_h and every head's K_h = K_shared + R_h^K (B_h^K)^T."""
-        k_shared, r_k = self.W_shared_k(x), self.residual_coords(self.U_k, x)
-        return k_shared, r_k, k_shared.unsqueeze(2) + self.residual(r_k, self.B_k)
-
-    def keys_values(self, x, rope):
-        k = self.key_parts(x)[2]  # (B, T, H, d_h): K_h
-        return apply_rope(norm(k), rope), self.values(self.W_shared_v(x))
-
-    def values(self, v_shared):
-        return v_shared.unsqueeze(2).expand(-1, -1, self.n_head, -1)  # (B, S, H, d_h)
-
-    def cache_shapes(self):
-        return {"k_shared": (self.head_dim,), "r_k": (self.n_head, self.lrkv_rank), "rho": (self.n_head,),
-                "v_shared": (self.head_dim,)}
-
-    def cache_entries(self, x, rope):
-        k_shared, r_k, k = self.key_parts(x)
-        return {"k_shared": apply_rope(k_shared.unsqueeze(2), rope).squeeze(2), "r_k": r_k, "rho": rms(k),
-                "v_shared": self.W_shared_v(x)}
-
-    def cached_keys_values(self, rope, k_shared, r_k, rho, v_shared):
-        return self.keys(k_shared, r_k, rho, rope), self.values(v_shared)
 
 
 def lrk_head_kv_weights(attn):
@@ -128,48 +73,6 @@ def load_lrk_head_kv_weights(attn, W_K, W_V, C=None):
     convert.load_lrkv_head_weights(attn, W_K, attn.W_shared_k, attn.U_k, attn.B_k, C)
     attn.W_shared_v.weight.copy_(W_V.mean(0))
 
-
-
-class PerLayerRankAttention(LowRankKVAttention):
-    """LRKV whose rank grows with depth: lrkv_rank in layer 0, twice it in layer 1, and so on up to
-    head_dim. Nothing else changes: every count (parameters, cache) follows the layer's rank, and
-    LRKV's single-token step and conversion read the layer's rank."""
-
-    def __init__(self, config, layer):
-        super().__init__(replace(config, lrkv_rank=layer_rank(config, layer)), layer)
-
-
-def layer_rank(config, layer):
-    return min(config.head_dim, config.lrkv_rank * (layer + 1))
-
-
-class GroupedLowRankKVAttention(LowRankKVAttention):
-    """Grouped LRKV: G = n_kv_head residuals per token, R_g = X U_g, each read by H/G consecutive
-    heads, every head its own B_h: K_h = K_shared + R_g B_h^T for g = h G // H, V_h likewise. Cache
-    per token 2 d_h + 2 G r + H. LRKV with G-wide U and cache, each residual read per head."""
-
-    def __init__(self, config, layer):
-        super().__init__(config, layer)
-        self.n_groups = config.n_kv_head
-        self.U_k = nn.Linear(config.n_embd, self.n_groups * config.lrkv_rank, bias=False)
-        self.U_v = nn.Linear(config.n_embd, self.n_groups * config.lrkv_rank, bias=False)
-
-    @classmethod
-    def check(cls, config):
-        if config.n_head % config.n_kv_head:
-            config.reject("n_kv_head", f"a divisor of n_head = {config.n_head}")
-
-    def per_head(self, R):
-        """The residual each head reads, (B, S, G, r) -> (B, S, H, r): residual g read by heads g H / G
-        on; R itself where it is already per head."""
-        return R.repeat_interleave(self.n_head // R.size(2), dim=2)
-
-    def residual(self, R, factor):
-        return super().residual(self.per_head(R), factor)
-
-    def cache_shapes(self):
-        residuals = (self.n_groups, self.lrkv_rank)
-        return {**super().cache_shapes(), "r_k": residuals, "r_v": residuals}
 
 
 def grouped_lrkv_head_kv_weights(attn):
@@ -296,7 +199,7 @@ def variant(request, monkeypatch):
     for cls, maps in ((InterleavedGroupedQueryAttention, interleaved_head_kv_weights),
                       (LowRankKeyAttention, lrk_head_kv_weights),
                       (GroupedLowRankKVAttention, grouped_lrkv_head_kv_weights)):
-        monkeypatch.setitem(heads.HEAD_KV_WEIGHTS, cls, maps)
+        monkeypatch.setitem(HEAD_KV_WEIGHTS, cls, maps)
     monkeypatch.setitem(references.REFERENCES, name, reference)
     monkeypatch.setitem(runs.LEGEND, name, legend)
     return name

@@ -96,12 +96,10 @@ class RingKVCache(KVCache):
         slots = torch.arange(self.pos, self.pos + T)[-length:] % length
         self.store(layer, slots, {name: x[:, -length:] for name, x in entries.items()})
 
-    def read(self, attn, T):
-        """What attn's T new queries at pos..pos+T-1 see, as model.py's KVCache.attend uses it: the
-        attention whose entries they are (attn's owner), those entries {name: (B, S, *shape)} (the
-        slots written, then any pending chunk), their RoPE rows (S, rope_dim), and the mask (T, S) of
-        visible with attn's window (None where Attention.attend's own rule is it)."""
-        owner, window = self.kv_source[attn.layer], self.windows[attn.layer]
+    def held(self, attn, T):
+        """The entries attn's T new queries at pos..pos+T-1 read, {name: (B, S, *shape)} (their owner's
+        slots written, then any pending chunk), their owner, and the position each holds (S,)."""
+        owner = self.kv_source[attn.layer]
         pending = self.pending.get(owner)
         ahead = 0 if pending is not None else T  # the queries' own positions, already in the slots
         held = min(self.pos + ahead, self.length(owner))
@@ -110,12 +108,21 @@ class RingKVCache(KVCache):
         if pending is not None:
             entries = {name: torch.cat((x, pending[name]), 1) for name, x in entries.items()}
             positions = torch.cat((positions, torch.arange(self.pos, self.pos + T, device=positions.device)))
+        return owner, entries, positions
+
+    def read(self, attn, T):
+        """What attn's T new queries see, as model.py's KVCache.attend uses it: the attention whose entries
+        they are (attn's owner), those entries (held), their RoPE rows (S, rope_dim), and the mask (T, S)
+        of visible with attn's window (None where Attention.attend's own rule is it)."""
+        owner, entries, positions = self.held(attn, T)
+        window, pending = self.windows[attn.layer], owner in self.pending
         here = torch.arange(self.pos, self.pos + T, device=positions.device)
-        plain = window is None and (T == 1 or self.pos == 0 and pending is None)  # Attention.attend's rule
+        plain = window is None and (T == 1 or self.pos == 0 and not pending)  # Attention.attend's rule
         mask = None if plain else visible(here, positions, window)
         # while no slot has wrapped, slot s holds position s: a view of the table, not a gather
-        unwrapped = pending is None and self.pos + ahead <= self.length(owner)
-        return self.sources[owner], entries, self.rope[:held] if unwrapped else self.rope[positions], mask
+        unwrapped = not pending and self.pos + T <= self.length(owner)
+        rope = self.rope[:len(positions)] if unwrapped else self.rope[positions]
+        return self.sources[owner], entries, rope, mask
 
     def advance(self, T):
         for layer, entries in self.pending.items():
