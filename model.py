@@ -46,10 +46,10 @@ class GPTConfig:
         ValueError of one line naming the first field that cannot make the model its weights were."""
         H, d_h, span = self.n_head, self.head_dim, f"from 1 to block_size = {self.block_size}, or None"
         kinds = {int: "a positive integer", float: "a number", bool: "true or false", str: "a string"}
-        for field in fields(self):  # of its type (a bool is no int, an int is a float), an int >= 1
-            value = getattr(self, field.name)
-            if (not isinstance(value, (int, float) if field.type is float else field.type) or
-                    isinstance(value, bool) != (field.type is bool) or type(value) is int and value < 1):
+        for field in fields(self):  # first its type: an int may stand for a float, a bool for nothing else
+            value, allowed = getattr(self, field.name), (int, float) if field.type is float else field.type
+            typed = isinstance(value, allowed) and isinstance(value, bool) == (field.type is bool)
+            if not typed or type(value) is int and value < 1:  # and an int is at least 1
                 self.reject(field.name, kinds.get(field.type, span))  # span: window's, int | None
         for field, ok, allowed in (
                 ("attn", self.attn in VARIANTS, "one of " + ", ".join(VARIANTS)),
@@ -91,16 +91,18 @@ def rope_table(dim, max_len, theta):
 
 
 def apply_rope(x, rope):
-    """RoPE on x (B, T, heads, D) by each token's row of rope (T, rope_dim): of the last rope_dim dims, i and
-    i' = i + rope_dim/2 turn by s theta_i, (x_i, x_i') -> (x_i cos + x_i' sin, x_i' cos - x_i sin)."""
+    """RoPE on x (B, T, heads, D) by each token's row of rope (T, rope_dim; hf/'s: (B, T, rope_dim)): of the
+    last rope_dim dims, i and i' = i + rope_dim/2 turn by -s theta_i (nanochat's sense), (x_i, x_i') ->
+    (x_i cos + x_i' sin, x_i' cos - x_i sin); the first D - rope_dim pass as they are."""
     cos, sin = rope.unsqueeze(-2).to(x.dtype).chunk(2, dim=-1)  # (T, 1, half) each, or (B, T, 1, half)
     x_pass, x1, x2 = x.split((x.size(-1) - 2 * cos.size(-1), cos.size(-1), cos.size(-1)), dim=-1)
     return torch.cat((x_pass, x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
 
 
 class Attention(nn.Module):
-    """H query heads q_h = Rot(norm(x W_h^Q)), causal softmax over the variant's keys_values(x, rope) (G
-    heads), W_o: what every variant shares (README: Adding a variant). Every parameter is a matrix."""
+    """H query heads q_h = Rot(norm(x W_h^Q)), causal softmax attention and W_o: what every variant shares. A
+    variant defines keys_values(x, rope), keys (B, T, G, d_qk) and values (B, T, G, d_v) of G heads, and
+    cache_shapes (below); README: Adding a variant. Every parameter is a matrix (Muon's)."""
 
     def __init__(self, config, layer, qk_dim=None, rope_dim=None):
         super().__init__()
@@ -122,15 +124,16 @@ class Attention(nn.Module):
 
     def attend(self, q, k, v, mask=None):
         """softmax(q k^T / sqrt(d_qk)) v of q (B, T, H, d_qk), k (B, S, G, d_qk), v (B, S, G, d_v), head h
-        reading head h G // H, where mask (T, S) allows; None: one query sees all, or T = S causally."""
+        reading head h G // H, where mask (T, S) allows. None: one query sees all, or T = S causally (SDPA
+        aligns its causal mask at the top left: a chunk after a cached prefix comes with its own mask)."""
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask.to(q.device),
                                            is_causal=mask is None and q.size(2) > 1,
                                            enable_gqa=k.size(1) != q.size(1))
         return y.transpose(1, 2)  # (B, T, H, d_v)
 
-    # Decoding: cache_shapes() {name: shape}, a token's cache entries; cache_entries {name: (B, T, *shape)},
-    # k and v by default; cached_keys_values, keys_values' from S positions' entries and RoPE rows
+    # Decoding: cache_shapes() {name: shape}, a token's cache entries; cache_entries {name: (B, T, *shape)}
+    # (k and v by default); cached_keys_values, keys_values' keys and values rebuilt from S positions' entries
 
     def cache_entries(self, x, rope):
         k, v = self.keys_values(x, rope)
@@ -143,14 +146,13 @@ class Attention(nn.Module):
 class GroupedQueryAttention(Attention):
     """GQA: G = config.n_kv_head key/value heads K_g = X W_g^K, V_g = X W_g^V, query head h reading
     g = h G // H; MHA (G = H) and MQA (G = 1) change kv_heads alone. It caches K and V: 2 G d_h numbers."""
+    kv_heads = staticmethod(lambda config: config.n_kv_head)  # G
 
     def __init__(self, config, layer):
         super().__init__(config, layer)
         self.n_kv_head = self.kv_heads(config)
         self.W_k = nn.Linear(config.n_embd, self.n_kv_head * config.head_dim, bias=False)
         self.W_v = nn.Linear(config.n_embd, self.n_kv_head * config.head_dim, bias=False)
-
-    kv_heads = staticmethod(lambda config: config.n_kv_head)  # G
 
     def keys_values(self, x, rope):
         B, T, _ = x.shape
@@ -218,8 +220,8 @@ class LowRankKVAttention(Attention):
 
     # Decoding. The cache holds the paper's 2 d_h + 2 H r numbers per token and each head's key RMS rho_h
     # (+0.7% at 128M). RoPE can turn K_shared before caching, not the r-wide R_h^K: each head's residual
-    # turns once B_h^K brings it to d_h dims. So Rot_s(norm(K_h)) = (Rot_s K_shared + Rot_s(R_h^K
-    # (B_h^K)^T)) / rho_h, and with rho_h cached decode.py's step (eq. 6 and 7) never builds a key.
+    # turns once B_h^K brings it to d_h dims. As RoPE keeps the RMS, Rot_s(norm(K_h)) = (Rot_s K_shared +
+    # Rot_s(R_h^K (B_h^K)^T)) / rho_h: keys rebuilds it so; decode.py's step (eq. 6, 7) reads rho_h alone.
 
     def cache_shapes(self):
         H, d_h, r = self.n_head, self.head_dim, self.lrkv_rank
@@ -273,8 +275,7 @@ class MultiHeadLatentAttention(Attention):
         # flash attention needs one head dim for q, k and v: v is zero-padded, the zero outputs dropped
         return super().attend(q, k, F.pad(v, (0, self.rope_dim)), mask)[..., :self.head_dim]
 
-    # Decoding. The cache holds c, the rotated k_R and each head's key RMS (+3.1% at 128M), which
-    # spares decode.py's step (W_up^K absorbed into the query) applying W_up^K to the cache.
+    # Decoding. The cache holds c, the rotated k_R and each head's key RMS (+3.1% at 128M: decode.py's step)
 
     def cache_shapes(self):
         return {"c": (self.kv_lora_rank,), "k_rope": (1, self.rope_dim), "rho": (self.n_head,)}
@@ -349,7 +350,7 @@ class GPT(nn.Module):
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than block_size = {self.config.block_size}")
         rope = self.rope[:T] if cache is None else cache.next_rope(T)  # the RoPE rows of idx's positions
-        memory = cache if cache is not None or self.layout is None else self.layout.memory()
+        memory = cache if cache is not None else self.layout.memory() if self.layout else None  # None: plain
         x = norm(self.wte(idx))
         for block in self.blocks:
             x = block(x, rope, memory)
@@ -368,11 +369,11 @@ class GPT(nn.Module):
         """Decoding, nanoGPT's: idx (B, T) and max_new_tokens more, each sampled from the last one's logits
         through the cache; past L tokens, again from the last half (decode.py's stream: caches, steps)."""
         L, cache = self.config.block_size, None
-        max_len = min(L, idx.size(1) + max_new_tokens)  # the cache's: the longest context
+        keep, max_len = L - L // 2, min(L, idx.size(1) + max_new_tokens)  # the half kept; the longest context
         for _ in range(max_new_tokens):
             context = idx[:, -1:]
-            if cache is None or cache.pos == max_len:  # the prompt, or a new start from the last half
-                context = idx[:, -L:] if cache is None else idx[:, L // 2 - L:]
+            if cache is None or cache.pos == max_len:  # the prompt, or a new start from the last `keep`
+                context = idx[:, -(L if cache is None else keep):]
                 cache = self.new_cache(idx.size(0), max_len)
             logits = self(context, cache=cache)[0][:, -1]
             idx = torch.cat((idx, sample(logits, temperature, top_k)), dim=1)
@@ -383,8 +384,8 @@ class GPT(nn.Module):
         if max_len > self.config.block_size:  # the RoPE table has block_size rows
             raise ValueError(f"a KV cache of {max_len} tokens exceeds block_size = {self.config.block_size}")
         cache_class = cache_class or (self.layout.cache_class if self.layout else KVCache)
-        return cache_class(self, batch_size, max_len, dtype or self.wte.weight.dtype,
-                           device or self.wte.weight.device)
+        weight = self.wte.weight
+        return cache_class(self, batch_size, max_len, dtype or weight.dtype, device or weight.device)
 
     def kv_cache_bytes(self, batch_size, seq_len, dtype=None, cache_class=None):
         """Bytes a decoding cache allocates, counted off the same cache built on the meta device."""
@@ -405,9 +406,8 @@ def sample(logits, temperature=1.0, top_k=None):
 
 
 class KVCache:
-    """Decoding's memory, one for the whole model, at position pos: every layer's entries (cache_shapes) of
-    positions 0..pos-1 in buffers (B, max_len, *shape), slot p holding position p. allocate, store and load
-    alone make, write and read buffers (lib/attention/quant.py overrides them; ring.py, attend's slots)."""
+    """Decoding's memory, one for the whole model: every layer's entries of positions 0..pos-1 in buffers (B,
+    max_len, *shape), slot p position p; allocate, store and load alone touch them (quant.py's override)."""
 
     def __init__(self, model, batch_size, max_len, dtype, device):
         # dtypes[layer]: {name: the dtype its entries were computed in}; a buffer may hold another (bf16 under

@@ -121,12 +121,19 @@ class LRKVConfig(PreTrainedConfig):
 class PaddedRingKVCache(RingKVCache):
     """ring.RingKVCache with a position per row and column: columns are what transformers counts (a
     pad takes one), positions what RoPE and windows count (a row's real tokens before it), a pad seen by
-    no other token (but itself, so that its softmax has something). Its buffers grow with the columns
-    held, to `length` at most: the bytes of the positions held, not of max_len."""
+    no other token (but itself, so that its softmax has something). A layer whose readers all have a
+    window W keeps W + pads columns, pads the most any row of the prompt has: a row's pads lie between
+    its end-of-text (column 0) and its text, so that its last W positions span W columns and its pads.
+    Its buffers grow with the columns held, to that at most: the bytes of the columns held."""
 
-    def __init__(self, gpt, batch_size, dtype, device):
+    def __init__(self, gpt, batch_size, dtype, device, pads):
         self.real = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)  # (B, columns): not a pad
+        self.pads = pads
         super().__init__(gpt, batch_size, gpt.config.block_size, dtype, device)
+
+    def length(self, layer):
+        span = super().length(layer)
+        return span if span in (0, self.max_len) else min(span + self.pads, self.max_len)
 
     def allocate(self, shapes, length, device):  # empty; store grows them
         return {name: torch.zeros(self.batch_size, 0, *shape, dtype=self.dtype, device=device)
@@ -181,8 +188,8 @@ class LRKVCache(Cache):
 
     def start(self, gpt, input_ids, real, eot_id):
         """The ring, its first column end-of-text, real in rows whose first real token is not one."""
-        B = input_ids.size(0)
-        self.ring = PaddedRingKVCache(gpt, B, gpt.wte.weight.dtype, input_ids.device)
+        B, pads = input_ids.size(0), int((~real).sum(-1).max())
+        self.ring = PaddedRingKVCache(gpt, B, gpt.wte.weight.dtype, input_ids.device, pads)
         first = input_ids.gather(1, real.long().argmax(-1, keepdim=True))  # (B, 1): a row's first real token
         self.ring.columns(first != eot_id)
         gpt(torch.full_like(first, eot_id), cache=self.ring)

@@ -307,6 +307,26 @@ def test_windows_and_sharing_give_our_logits_and_greedy_tokens(laid_out):
 
 
 @torch.no_grad()
+def test_a_padded_prompt_shorter_than_the_window_decodes_as_alone(laid_out):
+    """A row padded on the left whose prompt is shorter than the window: its first new tokens still see
+    the end-of-text it is read after, before its pads, and get the logits they get alone, token by
+    token through the cache (the tokens fed: the same for both rows)."""
+    hf, tok = laid_out.hf, laid_out.tok
+    prompts = ["T", PROMPTS[0]]  # 1 token against W = 5, beside 26: 25 pads
+    batch = tok(prompts, padding=True, return_tensors="pt")
+    new = torch.tensor([[*b" the cat sat"]]).repeat(2, 1)
+    out = hf(**batch, use_cache=True)
+    mask, logits = batch["attention_mask"], [out.logits[:, -1:]]
+    for t in range(new.size(1)):
+        mask = torch.cat((mask, torch.ones_like(mask[:, :1])), 1)
+        out = hf(new[:, t:t + 1], attention_mask=mask, past_key_values=cache_of(out), use_cache=True)
+        logits.append(out.logits)
+    for row, prompt in enumerate(prompts):
+        alone = hf(torch.cat((ids_of(laid_out, prompt), new[:1]), 1)).logits[:, -new.size(1) - 1:]
+        torch.testing.assert_close(torch.cat(logits, 1)[row:row + 1], alone, atol=1e-5, rtol=0, msg=prompt)
+
+
+@torch.no_grad()
 def test_windows_cache_holds_our_bytes_and_a_chunk_past_the_window_is_exact(laid_out):
     """After a prompt longer than the window, the cache holds kv_cache_bytes, which a window's last W
     positions make less than a full cache; a chunk of 2W + 1 tokens, then tokens one by one, give the
