@@ -33,6 +33,7 @@ from matplotlib.ticker import MaxNLocator
 
 from lib.training.checkpoint import check_writable, load_checkpoint, read_log
 from lib.training.configurator import ArgumentParser, ConfigError
+from lib.training.hardware import check_environment
 from lib.attention.convert import CALIBRATION_TOKENS, attention_input_covariances, shared_plus_low_rank
 from lib.attention.diversity import layer_ranks, similarities
 from lib.attention.heads import head_kv_weights
@@ -504,6 +505,7 @@ def main(argv=None):
     first = Path(args.ckpts[0])
     out_dir = args.out_dir or (first if first.is_dir() else first.parent)
     try:
+        check_environment()  # analyze.py computes in float64 on the CPU, but refuses what no script takes
         check_writable(out_dir / "analysis.json")  # before the analysis, not after it
     except ConfigError as e:
         sys.exit(str(e))

@@ -16,6 +16,7 @@ decoding dtype (sample.py's: fp32 for a run trained in fp32 by choice, as the de
 """
 
 import dataclasses
+import functools
 import json
 import sys
 from pathlib import Path
@@ -26,8 +27,10 @@ from tqdm import tqdm
 from lib.evaluation import downstream
 from lib.evaluation.runs import legend_labels, provenance, run_order
 from lib.training.checkpoint import check_writable, load_checkpoint
-from lib.training.configurator import ArgumentParser, ConfigError, positive_int
-from lib.training.hardware import DEVICES, decoding_dtype, pick_device
+from lib.training.configurator import ArgumentParser, ConfigError, kv_quant, positive_int
+from lib.attention import quant
+from lib.attention.decode import teacher_forced
+from lib.training.hardware import DEVICES, check_environment, decoding_dtype, pick_device
 from model import GPTConfig
 from lib.training.data import load_tokenizer, write_atomic
 
@@ -103,26 +106,36 @@ def read_results(paths):
     return tasks, runs
 
 
-def score(path, tasks, device, batch_tokens):
+def score(path, tasks, device, batch_tokens, storage="none"):
     """One checkpoint's run record: its model_args, provenance and validation numbers, and each task's
-    results (downstream.evaluate_task's), a line printed for each."""
+    results (downstream.evaluate_task's), a line printed for each. storage (--kv_quant) other than none:
+    every request scored as decoding sees it, a token at a time through a cache of that storage
+    (decode.teacher_forced)."""
     ckpt, model = load_checkpoint(path, device)
     tokenizer = load_tokenizer(path, ckpt)
     dtype, why = decoding_dtype(ckpt.get("config", {}).get("dtype"), device)
     model.to(dtype).eval()
-    print(f"{path}: {str(dtype).removeprefix('torch.')} weights and KV cache ({why})", flush=True)
+    name, forward = str(dtype).removeprefix("torch."), None
+    if storage == "none":
+        print(f"{path}: {name} weights and KV cache ({why})", flush=True)
+    else:
+        cache, L = quant.cache_class(storage), model.config.block_size
+        forward = functools.partial(teacher_forced, model, cache_class=cache)
+        per_token = model.kv_cache_bytes(1, L, dtype, cache) / L
+        print(f"{path}: {name} weights ({why}), {storage} KV cache: {per_token:,.1f} bytes a token at the "
+              f"context of {L}, scales included", flush=True)
     results = {}
     for name, task in tasks.items():
         tokenized = downstream.tokenize(task, tokenizer)
         with tqdm(total=task.n_requests, desc=f"{name}", unit=" requests", leave=False, disable=None) as bar:
             results[name] = downstream.evaluate_task(model, task, tokenized, batch_tokens, bar,
-                                                     pad_id=tokenizer.eot_id)
+                                                     pad_id=tokenizer.eot_id, forward=forward)
         r = results[name]
         print(f"  {name}: {r['metric']} {r['value']:.4f} | {task.n_requests} requests in "
               f"{r['seconds']:.1f} s, {r['requests_per_s']:.1f} requests/s", flush=True)
     config = model.config
     return dict(model_args=dataclasses.asdict(config), ckpt=str(path), **provenance(ckpt, config),
-                attn=config.attn, dtype=str(dtype).removeprefix("torch."),
+                attn=config.attn, dtype=str(dtype).removeprefix("torch."), kv_quant=storage,
                 **{key: ckpt.get(key) for key in ("val_loss", "val_bpb")}, tasks=results)
 
 
@@ -142,10 +155,14 @@ def main(argv=None):
                         help=f"{', '.join(DEVICES)}; auto: cuda, else mps, else cpu")
     parser.add_argument("--batch_tokens", type=positive_int, default=8192,
                         help="most tokens a forward pass scores at once")
+    parser.add_argument("--kv_quant", type=kv_quant, default="none",
+                        help="the KV cache's storage: none (the full forward scores), int8 or int4 (every "
+                             "request decoded through such a cache, token by token)")
     parser.add_argument("--list", action="store_true", help="list the tasks, their metric and size, and exit")
     parser.add_argument("--markdown", action="store_true", help="print the table in Markdown")
     args = parser.parse_args(argv)
     try:
+        check_environment()
         if args.list:
             print_list(downstream.task_list())
             return 0
@@ -168,9 +185,11 @@ def main(argv=None):
             if not names:
                 raise ConfigError("--tasks: no task named; --list shows them")
             loaded = {name: downstream.load_task(name, args.limit, root) for name in names}
-            for path in args.inputs:  # every checkpoint checked before any is scored
-                load_tokenizer(path, load_checkpoint(path)[0])
             device = pick_device(args.device)
+            for path in args.inputs:  # every checkpoint checked before any is scored
+                ckpt = load_checkpoint(path)[0]
+                load_tokenizer(path, ckpt)
+                decoding_dtype(ckpt.get("config", {}).get("dtype"), device)
     except ConfigError as e:
         print(f"eval.py: {e}", file=sys.stderr)
         return 2
@@ -178,7 +197,7 @@ def main(argv=None):
     try:
         if runs is None:
             with torch.inference_mode():
-                runs = [score(path, loaded, device, args.batch_tokens) for path in args.inputs]
+                runs = [score(path, loaded, device, args.batch_tokens, args.kv_quant) for path in args.inputs]
             tasks = {name: dict(source=task.source, metric=task.metric, docs=len(task.docs),
                                 total=task.total, requests=task.n_requests, chance=task.chance)
                      for name, task in loaded.items()}

@@ -148,8 +148,16 @@ def open_source(args):
         return f"pydocs: Python {platform.python_version()} docstrings and pydoc topics", list_batches(docs)
     if args.dataset == "text":
         files = find_files(args.input, ".txt")
-        # one stray non-UTF-8 byte should not stop a corpus
-        docs = [file.read_text(encoding="utf-8", errors="replace") for file in files]
+        # one stray non-UTF-8 byte should not stop a corpus, but it is said: it is read as U+FFFD
+        docs = []
+        for file in files:
+            data = file.read_bytes()
+            try:
+                docs.append(data.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                print(f"warning: {file}: byte {e.start} ({data[e.start]:#04x}) is not UTF-8; such bytes are "
+                      "read as U+FFFD", file=sys.stderr)
+                docs.append(data.decode("utf-8", errors="replace"))
         return f"text: {' '.join(args.input)} ({len(files)} files)", list_batches(docs)
     if args.input:
         files = find_files(args.input, ".parquet")

@@ -26,8 +26,9 @@ from lib.attention.decode import compiled_decode, exact_step, stream
 from lib.evaluation.runs import layout
 from lib.training.data import load_tokenizer
 from lib.training.checkpoint import load_checkpoint
-from lib.training.configurator import ArgumentParser, ConfigError, positive_int, seed
-from lib.training.hardware import DEVICES, decoding_dtype, pick_device
+from lib.attention import quant
+from lib.training.configurator import ArgumentParser, ConfigError, kv_quant, positive_int, seed
+from lib.training.hardware import DEVICES, check_environment, decoding_dtype, pick_device
 
 
 def top_k(text):
@@ -56,6 +57,11 @@ def encode_prompt(prompt, tok):
         data = os.fsencode(prompt)
     # end-of-text opens every document in the shards: a prompt is the start of one
     if tok.name == "byte":
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as e:  # the byte tokenizer reads bytes as they are: say so
+            print(f"sample.py: --prompt: byte {e.start} ({data[e.start]:#04x}) is not UTF-8: the byte "
+                  f"tokenizer reads the prompt's {len(data)} bytes as they are", file=sys.stderr)
         return [tok.eot_id, *tok.encode_bytes(data).tolist()]
     try:
         text = data.decode("utf-8")
@@ -93,16 +99,21 @@ def main(argv=None):
                              "(--dtype=float32, as config/demo.py), else the precision policy's for decoding")
     parser.add_argument("--no_cache", action="store_true",
                         help="decode without the KV cache: every step reads the whole sequence again")
+    parser.add_argument("--kv_quant", type=kv_quant, default="none",
+                        help="the KV cache's storage (lib/attention/quant.py): none (--dtype's), int8, int4")
     parser.add_argument("--compile", action="store_true",
                         help="compile the single-token step once, on fixed shapes: for a GPU (CUDA graphs); "
                              "a CPU spends about 20 s compiling to save a tenth of each step")
     args = parser.parse_args(argv)
     try:
+        check_environment()
         device = pick_device(args.device, 0)
         ckpt, model = load_checkpoint(args.ckpt, device)
         tok = load_tokenizer(args.ckpt, ckpt)
         if args.compile and args.no_cache:
             raise ConfigError("--compile compiles the cached single-token step: it cannot go with --no_cache")
+        if args.no_cache and args.kv_quant != "none":
+            raise ConfigError(f"--kv_quant={args.kv_quant} stores the KV cache: it cannot go with --no_cache")
         prompt = encode_prompt(args.prompt, tok)
         dtype, why = ((getattr(torch, args.dtype), "--dtype") if args.dtype != "auto"
                       else decoding_dtype(ckpt.get("config", {}).get("dtype"), device))
@@ -111,7 +122,14 @@ def main(argv=None):
         return 2
 
     dtype_name = str(dtype).removeprefix("torch.")
-    print(f"precision: {dtype_name} weights and KV cache ({why})", flush=True)
+    cache_class = quant.cache_class(args.kv_quant)
+    cache_len = min(model.config.block_size, len(prompt) + args.max_new_tokens)  # decode.stream's cache
+    cache_bytes = model.kv_cache_bytes(1, cache_len, dtype, cache_class)
+    storage = dtype_name if args.kv_quant == "none" else f"{args.kv_quant}, scales in {dtype_name}"
+    shared = layout(model.config)  # sharing and windows, which the cache's size follows
+    cache = ("no KV cache (--no_cache)" if args.no_cache else f"KV cache {size(cache_bytes)} "
+             f"({storage}, 1 x {cache_len} tokens{'; ' + shared if shared else ''})")
+    print(f"precision: {dtype_name} weights ({why}) | {cache}", flush=True)
     model.to(dtype).eval()
     # seeded after loading, whose model init draws from the RNG: seed s draws what generate() does
     # after torch.manual_seed(s)
@@ -124,18 +142,13 @@ def main(argv=None):
         print(text.decode(tok.decode_bytes(prompt)), end="", flush=True)
         step = None if args.no_cache else compiled_decode if args.compile else exact_step
         for token in stream(model, idx, args.max_new_tokens, args.temperature, args.top_k, not args.no_cache,
-                                  step, tok.vocab_size):
+                            step, tok.vocab_size, cache_class):
             drawn += 1
             if token.item() == tok.eot_id:
                 break  # the document ends here: the tokens after it would start an unrelated one
             print(text.decode(tok.decode_bytes(token[0].tolist())), end="", flush=True)
         print(text.decode(b"", final=True) + "\n---------------")
     seconds = time.perf_counter() - t0
-    cache_len = min(model.config.block_size, len(prompt) + args.max_new_tokens)  # decode.stream's cache
-    cache_bytes = model.kv_cache_bytes(1, cache_len, dtype)
-    shared = layout(model.config)  # sharing and windows, which the cache's size follows
-    cache = ("no KV cache (--no_cache)" if args.no_cache else f"KV cache {size(cache_bytes)} "
-             f"({dtype_name}, 1 x {cache_len} tokens{'; ' + shared if shared else ''})")
     print(f"{args.num_samples} sample{'s' * (args.num_samples > 1)}, {drawn} tokens in {seconds:.1f} s"
           f"{' (compiling included)' if args.compile else ''}: {drawn / seconds:.0f} tokens/s | {cache}")
     return 0

@@ -136,6 +136,12 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
         if device.type == "cpu" and n_params > 100e6:
             print(f"warning: a {n_params / 1e6:.0f}M-parameter model on a CPU takes minutes a step; "
                   "config/demo.py is the preset for CPUs", file=sys.stderr)
+        if model_config.window is None and model_config.window_pattern != "SSSL":  # GPTConfig's default
+            print(f"warning: --window_pattern={model_config.window_pattern} without --window changes "
+                  "nothing: every layer sees every position", file=sys.stderr)
+        if model_config.window is not None and len(model_config.window_pattern) > model_config.n_layer:
+            print(f"warning: --window_pattern={model_config.window_pattern} has more letters than n_layer = "
+                  f"{model_config.n_layer}: those past it are unused", file=sys.stderr)
         if cfg.max_steps < cfg.warmup_steps:
             print(f"warning: max_steps = {cfg.max_steps} is below warmup_steps = {cfg.warmup_steps}: the lr "
                   f"ends at {lr_multiplier(cfg.max_steps - 1, cfg):.0%} of its peak", file=sys.stderr)

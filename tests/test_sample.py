@@ -20,6 +20,8 @@ from lib.training.data import get_tokenizer
 import sample
 import train
 from lib.attention.decode import compiled_decode, exact_step, generate
+from lib.attention.quant import Int8KVCache
+from lib.attention.ring import RingKVCache
 from test_train import data_dir, flags, flip_a_bit  # noqa: F401 (data_dir is a fixture)
 
 REPO = Path(__file__).resolve().parents[1]  # the repository, above tests/
@@ -41,12 +43,12 @@ def model(ckpt):
     return checkpoint.load_checkpoint(ckpt, "cpu")[1].eval()
 
 
-def run(capsys, ckpt, *args, read_before=False):
+def run(capsys, ckpt, *args, read_before=False, err_says=""):
     """sample.py's samples and its last line, after its first, the precision's (unless the test has
-    read it already: read_before)."""
+    read it already: read_before); stderr empty, or the one line that err_says is in."""
     code = sample.main([str(ckpt), "--device=cpu", f"--max_new_tokens={NEW}", *args])
     out, err = capsys.readouterr()
-    assert code == 0 and err == ""
+    assert code == 0 and (err == "" if not err_says else err.count("\n") == 1 and err_says in err), err
     if not read_before:
         first, out = without_precision_line(out)
     *samples, last = out.split(SEPARATOR)
@@ -57,7 +59,8 @@ def run(capsys, ckpt, *args, read_before=False):
 def without_precision_line(out):
     """(sample.py's first line, what follows it), the first line checked to be the precision's."""
     first, out = out.split("\n", 1)
-    assert re.fullmatch(r"precision: (float32|bfloat16|float16) weights and KV cache \(.+\)", first), first
+    assert re.fullmatch(r"precision: (float32|bfloat16|float16) weights \(.+\) \| "
+                        r"(KV cache .+ \(.+, 1 x \d+ tokens\)|no KV cache \(--no_cache\))", first), first
     return first, out
 
 
@@ -96,8 +99,8 @@ def fake_stream(monkeypatch, tokens, before_each=lambda: None):
     each; the tokens drawn and the arguments of each call."""
     drawn, calls = [], []
 
-    def stream(model, idx, max_new_tokens, temperature, top_k, use_cache, step, vocab_size):
-        assert vocab_size == BYTES.vocab_size
+    def stream(model, idx, max_new_tokens, temperature, top_k, use_cache, step, vocab_size, cache_class):
+        assert vocab_size == BYTES.vocab_size and cache_class is RingKVCache
         calls.append((idx.tolist(), max_new_tokens, temperature, top_k, use_cache, step))
         for token in tokens:
             before_each()
@@ -199,6 +202,8 @@ def bad_inputs(ckpt, tmp_path):
         ([ckpt, "--max_new_tokens=0"], "argument --max_new_tokens: 0: must be at least 1"),
         ([ckpt, f"--device={unavailable}"], f"--device={unavailable}: not available on this machine"),
         ([ckpt, "--compile", "--no_cache"], "--compile compiles the cached single-token step"),
+        ([ckpt, "--kv_quant=int3"], "argument --kv_quant: 'int3': must be one of none, int8, int4"),
+        ([ckpt, "--kv_quant=int8", "--no_cache"], "--kv_quant=int8 stores the KV cache: it cannot go with"),
     ]
 
 
@@ -238,8 +243,10 @@ def test_a_prompt_that_is_not_utf8_is_its_bytes_to_the_byte_tokenizer(capsys, ck
     """From the command line (its bytes as a subprocess gets them, and as Python hands them to
     main), or from a file, the same bytes make the same prompt and sample."""
     (tmp_path / "prompt.bin").write_bytes(b"def \xff")
-    from_file = run(capsys, ckpt, f"--prompt=FILE:{tmp_path / 'prompt.bin'}", "--temperature=0")[0]
-    assert run(capsys, ckpt, "--prompt=def \udcff", "--temperature=0")[0] == from_file
+    said = "--prompt: byte 4 (0xff) is not UTF-8: the byte tokenizer reads the prompt's 5 bytes as they are"
+    prompt = f"--prompt=FILE:{tmp_path / 'prompt.bin'}"
+    from_file = run(capsys, ckpt, prompt, "--temperature=0", err_says=said)[0]
+    assert run(capsys, ckpt, "--prompt=def \udcff", "--temperature=0", err_says=said)[0] == from_file
     assert from_file[0].startswith("def \ufffd")
     result = subprocess.run([sys.executable, "sample.py", str(ckpt), b"--prompt=def \xff", "--temperature=0",
                              f"--max_new_tokens={NEW}", "--device=cpu"], cwd=REPO, capture_output=True,
@@ -252,3 +259,39 @@ def test_a_temperature_too_small_for_floating_point_is_greedy(capsys, ckpt):
     greedy = run(capsys, ckpt, f"--prompt={PROMPT}", "--temperature=0")[0]
     for tiny in ("1e-45", "1e-300"):
         assert run(capsys, ckpt, f"--prompt={PROMPT}", f"--temperature={tiny}")[0] == greedy, tiny
+
+
+@pytest.mark.parametrize("variable, value", [("LRKV_CPU_CLASS", "garbage"), ("LRKV_CPU_CLASS", "avx2"),
+                                             ("LRKV_PRECISION", "fp16")])
+def test_a_bad_environment_is_one_line(capsys, ckpt, monkeypatch, variable, value):
+    """As train.py refuses it: on a run trained in float32 by choice too, whose precision it would not
+    decide."""
+    monkeypatch.setenv(variable, value)
+    assert exit_code([str(ckpt), "--device=cpu"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith(f"sample.py: {variable}={value}: must be one of")
+
+
+def test_lrkv_precision_decides_as_the_readme_says(capsys, ckpt, monkeypatch):
+    """LRKV_PRECISION forces the precision, of a run trained in float32 by choice too."""
+    monkeypatch.setenv("LRKV_PRECISION", "bf16")
+    code = sample.main([str(ckpt), "--device=cpu", "--max_new_tokens=1"])
+    first = capsys.readouterr().out.split("\n")[0]
+    assert code == 0 and first.startswith("precision: bfloat16 weights (LRKV_PRECISION=bf16) | "), first
+
+
+def test_an_int8_cache_samples_as_generate_through_it(capsys, ckpt, model):
+    """--kv_quant=int8: generate's greedy tokens through an int8 cache, the header saying its bytes."""
+    code = sample.main([str(ckpt), "--device=cpu", f"--max_new_tokens={NEW}", f"--prompt={PROMPT}",
+                        "--temperature=0", "--kv_quant=int8"])
+    out = capsys.readouterr().out
+    first, rest = out.split("\n", 1)
+    ids = [BYTES.eot_id, *PROMPT.encode()]
+    size = model.kv_cache_bytes(1, len(ids) + NEW, torch.float32, Int8KVCache)
+    header = f"| KV cache {size / 2**10:.1f} KiB (int8, scales in float32, 1 x {len(ids) + NEW} "
+    assert code == 0 and header in first
+    new = generate(model, torch.tensor([ids]), NEW, temperature=0, step=exact_step,
+                   cache_class=Int8KVCache)[0, len(ids):].tolist()
+    drawn = new.index(BYTES.eot_id) + 1 if BYTES.eot_id in new else NEW
+    assert rest.split(SEPARATOR)[0] == BYTES.decode(ids + new[:drawn])

@@ -85,6 +85,14 @@ def last_logits(model, token, cache):
     return model(token, cache=cache)[0][:, -1]
 
 
+@torch.no_grad()
+def teacher_forced(model, idx, cache_class=RingKVCache):
+    """The logits (B, T, vocab) of idx (B, T) as decoding computes them: a token at a time, each through
+    its variant's exact step over a cache of cache_class (a quantised one's entries as it holds them)."""
+    cache = ExactKVCache(model.new_cache(idx.size(0), idx.size(1), cache_class=cache_class))
+    return torch.cat([model(idx[:, t:t + 1], cache=cache)[0] for t in range(idx.size(1))], dim=1)
+
+
 # -----------------------------------------------------------------------------
 # The steps, and the plain equation they equal
 

@@ -43,8 +43,9 @@ class Int8KVCache(RingKVCache):
             if name in KEPT:
                 buffers[name] = torch.zeros(self.batch_size, length, *shape, dtype=self.dtype, device=device)
             else:
-                buffers[name] = torch.zeros(self.batch_size, length, *shape, dtype=torch.int8, device=device)
-                buffers[f"{name}.scale"] = torch.zeros(self.batch_size, length, *shape[:-1], 1, dtype=self.dtype,
+                B = self.batch_size
+                buffers[name] = torch.zeros(B, length, *shape, dtype=torch.int8, device=device)
+                buffers[f"{name}.scale"] = torch.zeros(B, length, *shape[:-1], 1, dtype=self.dtype,
                                                        device=device)
         return buffers
 
@@ -67,7 +68,8 @@ class Int8KVCache(RingKVCache):
             if name in KEPT:
                 out[name] = buffers[name][:, slots].to(dtype)
             else:
-                out[name] = (buffers[name][:, slots].float() * buffers[f"{name}.scale"][:, slots].float()).to(dtype)
+                scale = buffers[f"{name}.scale"][:, slots].float()
+                out[name] = (buffers[name][:, slots].float() * scale).to(dtype)
         return out
 
 
@@ -83,6 +85,13 @@ def int4_values(packed, low, scale):
     """What int4_codes packed stands for, q s + m, fp32 (..., 2 * packed's last dim)."""
     q = torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2).float()
     return q * scale.float() + low.float()
+
+
+def token_rows(shape):
+    """The dims a per-token int4 group spans of an entry of shape: its last, or its last two where the last
+    is narrower than 64 numbers (LRKV's r_v, TPA's head factors: a low and a scale every r = 46 numbers
+    would weigh 9% of the codes)."""
+    return (-1,) if shape[-1] >= 64 or len(shape) < 2 else (-2, -1)
 
 
 def low_scale(x, dim, dtype):
@@ -107,19 +116,22 @@ class Int4KVCache(RingKVCache):
                 buffers[name] = zeros(B, length, *shape)
                 continue
             if shape[-1] % 2:
-                raise ValueError(f"an int4 cache packs two codes a byte: entry {name} is {shape[-1]} wide, odd")
+                raise ValueError(f"an int4 cache packs two codes a byte: entry {name} is {shape[-1]} wide, "
+                                 "odd")
             packed = (*shape[:-1], shape[-1] // 2)
             if name in KEYS:  # per channel, over each group of G slots; the codes padded to whole groups
                 groups = -(-length // G)
                 buffers[name] = torch.zeros(B, groups * G, *packed, dtype=torch.uint8, device=device)
-                buffers[f"{name}.low"], buffers[f"{name}.scale"] = zeros(B, groups, *shape), zeros(B, groups, *shape)
+                buffers[f"{name}.low"] = zeros(B, groups, *shape)
+                buffers[f"{name}.scale"] = zeros(B, groups, *shape)
                 buffers[f"{name}.residual"] = zeros(B, G, *shape)
                 # per row, the same: the first slot of the group being filled, and how many of its slots are
                 buffers[f"{name}.filling"] = torch.zeros(B, 2, dtype=torch.long, device=device)
-            else:  # per token and row
+            else:  # per token, a row or two (token_rows)
+                rows = token_rows(shape)
                 buffers[name] = torch.zeros(B, length, *packed, dtype=torch.uint8, device=device)
-                buffers[f"{name}.low"] = zeros(B, length, *shape[:-1], 1)
-                buffers[f"{name}.scale"] = zeros(B, length, *shape[:-1], 1)
+                buffers[f"{name}.low"] = zeros(B, length, *shape[:-len(rows)], *[1] * len(rows))
+                buffers[f"{name}.scale"] = zeros(B, length, *shape[:-len(rows)], *[1] * len(rows))
         return buffers
 
     def store(self, layer, slots, entries):
@@ -133,7 +145,7 @@ class Int4KVCache(RingKVCache):
                 for t in range(x.size(1)):  # a slot at a time: each may fill a group
                     self.store_key_slot(buffers, name, self.length(layer), slots[t:t + 1], x[:, t:t + 1])
             else:
-                low, scale = low_scale(x.float(), -1, self.dtype)
+                low, scale = low_scale(x.float(), token_rows(x.shape[2:]), self.dtype)
                 buffers[name][:, slots] = int4_codes(x.float(), low, scale)
                 buffers[f"{name}.low"][:, slots], buffers[f"{name}.scale"][:, slots] = low, scale
 
@@ -155,8 +167,8 @@ class Int4KVCache(RingKVCache):
         for buffer, new in ((buffers[f"{name}.low"], low), (buffers[f"{name}.scale"], scale)):
             buffer[:, group] = torch.where(full, new, buffer[:, group])
         group_slots = start + torch.arange(G, device=slot.device)  # (G,): inside the padded codes
-        data[:, group_slots] = torch.where(full.view(1, 1, *[1] * (data.dim() - 2)), int4_codes(values, low, scale),
-                                           data[:, group_slots])
+        full_here = full.view(1, 1, *[1] * (data.dim() - 2))
+        data[:, group_slots] = torch.where(full_here, int4_codes(values, low, scale), data[:, group_slots])
         filling[:, 0], filling[:, 1] = start, torch.where(full, torch.zeros_like(index), index + 1)
 
     def load(self, layer, slots):
@@ -173,7 +185,8 @@ class Int4KVCache(RingKVCache):
                 # the slots of the group being filled are the residual's, in full precision
                 start, filled = buffers[f"{name}.filling"][0, 0], buffers[f"{name}.filling"][0, 1]
                 fresh = ((index >= start) & (index < start + filled)).view(1, -1, *[1] * (values.dim() - 2))
-                values = torch.where(fresh, residual[:, (index - start).clamp(0, residual.size(1) - 1)].float(), values)
+                within = (index - start).clamp(0, residual.size(1) - 1)  # (S,): its place in the residual
+                values = torch.where(fresh, residual[:, within].float(), values)
                 out[name] = values.to(dtype)
             else:
                 out[name] = int4_values(buffers[name][:, index], buffers[f"{name}.low"][:, index],

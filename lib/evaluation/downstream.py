@@ -338,9 +338,10 @@ def padded(rows, width, pad_id, device):
 
 
 @torch.no_grad()
-def score_plain(model, jobs, batch_tokens, pad_id):
+def score_plain(model, jobs, batch_tokens, pad_id, forward=None):
     """(len(jobs),) float64: each job's log-likelihood, the windows padded on the right to one
-    length and batched, at most batch_tokens tokens a forward pass (or one window)."""
+    length and batched, at most batch_tokens tokens a forward pass (or one window). forward(idx) ->
+    logits: the model's forward by default (decode.teacher_forced, to score through a cache)."""
     device = model.lm_head.weight.device
     out = torch.zeros(len(jobs), dtype=torch.float64, device=device)
     order = sorted(range(len(jobs)), key=lambda k: len(jobs[k].inputs))
@@ -351,7 +352,8 @@ def score_plain(model, jobs, batch_tokens, pad_id):
             n += 1
         batch = [jobs[k] for k in order[i:i + n]]
         width = len(batch[-1].inputs)
-        logits = model(padded([job.inputs for job in batch], width, pad_id, device))[0]  # (n, width, V)
+        inputs = padded([job.inputs for job in batch], width, pad_id, device)
+        logits = forward(inputs) if forward is not None else model(inputs)[0]  # (n, width, V)
         out[order[i:i + n]] = log_likelihoods(logits, scored_targets(batch, width, device))
         i += n
     return out
@@ -406,11 +408,13 @@ def score_shared(model, jobs, P, pad_id):
     return log_likelihoods(logits, scored_targets(jobs, width, device))
 
 
-def score_requests(model, tokenized, requests, batch_tokens=8192, share=True, pad_id=0):
+def score_requests(model, tokenized, requests, batch_tokens=8192, share=True, pad_id=0, forward=None):
     """{request: summed log-likelihood of its continuation, float64} for the requests given (indices
     into tokenized). The windows of one document's choices at one start whose inputs share enough of
     a prefix (shares_enough) go through score_shared; every other window through score_plain,
-    batched. share=False: all of them through score_plain (the tests compare the two)."""
+    batched. share=False: all of them through score_plain (the tests compare the two); so with
+    forward, score_plain's."""
+    share = share and forward is None
     jobs = jobs_of(tokenized, requests, model.config.block_size)
     groups = {}  # (document, window start): its jobs
     for k, job in enumerate(jobs):
@@ -424,7 +428,7 @@ def score_requests(model, tokenized, requests, batch_tokens=8192, share=True, pa
         else:
             plain += group
     if plain:
-        scores[plain] = score_plain(model, [jobs[k] for k in plain], batch_tokens, pad_id).cpu()
+        scores[plain] = score_plain(model, [jobs[k] for k in plain], batch_tokens, pad_id, forward).cpu()
     totals = dict.fromkeys(requests, 0.0)
     for job, score in zip(jobs, scores.tolist()):
         totals[job.request] += score
@@ -455,9 +459,10 @@ def task_metrics(task, tokenized, scores):
     return dict(metric=task.metric, value=value, gold_bpb=gold_bpb / n, chance=task.chance, docs=n)
 
 
-def evaluate_task(model, task, tokenized, batch_tokens=8192, progress=None, pad_id=0):
+def evaluate_task(model, task, tokenized, batch_tokens=8192, progress=None, pad_id=0, forward=None):
     """task_metrics of model on task (tokenize's tokenized), with "seconds" and "requests_per_s",
-    scored a slice of documents at a time; progress (a tqdm bar, or None) moves by their requests."""
+    scored a slice of documents at a time; progress (a tqdm bar, or None) moves by their requests.
+    forward: score_plain's."""
     t0 = time.perf_counter()
     scores = [0.0] * len(tokenized.tokens)
     # about 64 requests a slice: enough windows to fill a batch, and a progress bar that moves
@@ -466,7 +471,7 @@ def evaluate_task(model, task, tokenized, batch_tokens=8192, progress=None, pad_
     for first in range(0, len(task.docs), slice_docs):
         n = sum(len(doc.requests) for doc in task.docs[first:first + slice_docs])
         for request, score in score_requests(model, tokenized, range(r, r + n), batch_tokens,
-                                             pad_id=pad_id).items():
+                                             pad_id=pad_id, forward=forward).items():
             scores[request] = score
         r += n
         if progress is not None:

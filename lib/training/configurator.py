@@ -47,6 +47,14 @@ def positive_int(text):
     return n
 
 
+def kv_quant(text):
+    """An argparse type: the name of a KV cache storage of lib/attention/quant.py (none, int8, int4)."""
+    from lib.attention.quant import CACHES
+    if text not in CACHES:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be one of {', '.join(CACHES)}")
+    return text
+
+
 def check_fields(where, record, spec, optional=()):
     """record as spec describes it, or a ValueError naming where (a file) and the field. spec maps
     each field to a type (or a tuple of types), to a dict spec of its own fields, or to [spec], a

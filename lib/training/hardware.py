@@ -105,8 +105,12 @@ def precision(use, device):
 def decoding_dtype(run_dtype, device):
     """(dtype, why): what a trained model decodes and scores in, the same in sample.py, eval.py and
     train.py's in-loop tasks (so that a task's value logged at an evaluation is eval.py's on the
-    checkpoint saved there): the precision policy's for decoding, but float32 for a run whose
-    --dtype (run_dtype, its config's) is float32 by choice, whose logits are then training's own."""
+    checkpoint saved there): LRKV_PRECISION's where it is set (it forces every script), else the
+    precision policy's for decoding, but float32 for a run whose --dtype (run_dtype, its config's) is
+    float32 by choice, whose logits are then training's own."""
+    forced = check_environment()
+    if forced is not None:
+        return forced, f"{FORCE}={os.environ[FORCE]}"
     if run_dtype == "float32":
         return torch.float32, "the run trained in float32 by choice"
     return precision("decode", device)

@@ -1,0 +1,145 @@
+"""lib/attention/quant.py: int8 and int4 storage against quantisers written out here, entry by entry and
+slot by slot (KIVI's key groups filling and wrapping around a ring); every decoding path (the plain cached
+path, the exact steps, the fixed-shape step) on a quantised cache against the plain path on it, for every
+variant with and without shared keys and windows; the bytes at 128M; bad input in one line."""
+
+import math
+
+import pytest
+import torch
+
+from lib.attention.decode import ExactKVCache, FixedKVCache
+from lib.attention.quant import CACHES, KEYS, Int4KVCache, Int8KVCache, cache_class
+from model import GPT, GPTConfig, VARIANTS
+from references import TINY, tiny_model
+
+class Int4Groups4(Int4KVCache):
+    group = 4  # key groups that fill and wrap within the tests' few positions
+
+
+LAYOUTS = {"plain": {}, "cla2": dict(cla=2), "window": dict(window=5, window_pattern="SL")}
+
+
+def int8_reference(x, dtype):
+    """Symmetric absmax per row (the last dim), the scale rounded to dtype as stored."""
+    scale = (x.abs().amax(-1, keepdim=True) / 127).to(dtype).float()
+    return torch.round(x / scale.clamp(min=1e-38)).clamp(-127, 127) * scale
+
+
+def int4_reference(x, dims, dtype):
+    """Asymmetric min-max over dims, 16 levels, the low and scale rounded to dtype as stored."""
+    low, high = x.amin(dims, keepdim=True), x.amax(dims, keepdim=True)
+    low, scale = low.to(dtype).float(), ((high - low) / 15).to(dtype).float()
+    return torch.round((x - low) / scale.clamp(min=1e-38)).clamp(0, 15) * scale + low
+
+
+class Cache:
+    """A quantised cache of one layer that owns its entries, on a model whose cache_shapes are given."""
+
+    def __init__(self, cls, shapes, length, batch=2, dtype=torch.bfloat16):
+        model = tiny_model("mha", n_layer=1)
+        model.blocks[0].attn.cache_shapes = lambda: shapes
+        self.cache = cls(model, batch, length, dtype, "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_stores_each_row_as_its_absmax_quantiser(dtype):
+    shapes = {"k": (2, 8), "rho": (2,), "c": (6,)}
+    cache = Cache(Int8KVCache, shapes, 7, dtype=dtype).cache
+    entries = {name: torch.randn(2, 3, *shape) for name, shape in shapes.items()}
+    cache.store(0, torch.tensor([4, 5, 6]), entries)
+    loaded = cache.load(0, torch.tensor([4, 5, 6]))
+    for name, x in entries.items():
+        expected = x.to(dtype).float() if name == "rho" else int8_reference(x, dtype)
+        assert torch.equal(loaded[name], expected), name
+
+
+def test_int4_stores_values_per_token_and_keys_per_channel_over_groups_as_they_fill_and_wrap():
+    """A ring of 10 slots, key groups of 4 (slots 0-3, 4-7, 8-9), written one position at a time for 23
+    positions, and once a chunk of 3: after every write, a slot whose group has filled since the slot was
+    written holds the group's per-channel quantisation (over the values its slots held then); any other
+    slot of the group being filled, its value in full precision; a value entry, its per-token quantisation."""
+    length, G = 10, Int4Groups4.group
+    shapes = {"k": (2, 8), "v": (2, 64), "r_v": (3, 6)}
+    cache = Cache(Int4Groups4, shapes, length, batch=1).cache
+    held = {}  # slot: the bf16 value it holds
+    quantised = {}  # slot: what its group's quantisation made of it, for groups that filled
+    writes = [[p] for p in range(20)] + [[20, 21, 22]]
+    for positions in writes:
+        slots = torch.tensor([p % length for p in positions])
+        entries = {name: torch.randn(1, len(positions), *shape) for name, shape in shapes.items()}
+        cache.store(0, slots, entries)
+        for t, slot in enumerate(slots.tolist()):
+            held[slot] = entries["k"][0, t].to(torch.bfloat16).float()
+            quantised.pop(slot, None)
+            group = range(slot - slot % G, min(slot - slot % G + G, length))
+            if slot == group[-1]:  # the group is full: quantised whole, per channel
+                values = torch.stack([held[s] for s in group])  # (slots, 2, 8)
+                for s, q in zip(group, int4_reference(values, 0, torch.bfloat16)):
+                    quantised[s] = q
+        loaded = cache.load(0, torch.arange(length))
+        for slot in held:
+            expected = quantised.get(slot, held[slot])
+            assert torch.equal(loaded["k"][0, slot], expected), (positions, slot)
+        last = slots[-1:]
+        x = entries["v"][:, -1:].float()
+        assert torch.equal(cache.load(0, last)["v"], int4_reference(x, (-1,), torch.bfloat16))
+        x = entries["r_v"][:, -1:].float()  # rows of 6: a group spans the entry's last two dims
+        assert torch.equal(cache.load(0, last)["r_v"], int4_reference(x, (-2, -1), torch.bfloat16))
+
+
+def decode(model, idx, prefix, cls, path):
+    """idx's logits from position prefix on, through a cache of cls: a prefill, then each token by the
+    plain cached path, an exact view or a fixed-shape view over the same cache."""
+    cache = model.new_cache(idx.size(0), idx.size(1), torch.float32, cache_class=cls)
+    logits = [model(idx[:, :prefix], cache=cache)[0]]
+    cache = {"plain": lambda cache: cache, "exact": ExactKVCache, "fixed": FixedKVCache}[path](cache)
+    for t in range(prefix, idx.size(1)):
+        logits.append(model(idx[:, t:t + 1], cache=cache)[0])
+        if path == "fixed":
+            cache.pos += 1
+    return torch.cat(logits, dim=1)
+
+
+@pytest.mark.parametrize("cls", [Int8KVCache, Int4Groups4], ids=["int8", "int4"])
+@pytest.mark.parametrize("attn", VARIANTS)
+def test_every_path_decodes_a_quantised_cache_as_the_plain_path_does(attn, cls):
+    """On the entries a quantised cache holds, the exact steps and the fixed-shape step give the plain
+    path's logits (keys and values rebuilt from the dequantised entries, attended plainly), to fp32
+    rounding; and the quantised cache is not the unquantised one (the test sees quantisation)."""
+    idx = torch.randint(0, TINY.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+    for layout, knobs in LAYOUTS.items():
+        model = tiny_model(attn, n_layer=4, **knobs)
+        with torch.no_grad():
+            plain = decode(model, idx, 12, cls, "plain")
+            for path in ("exact", "fixed"):
+                torch.testing.assert_close(decode(model, idx, 12, cls, path), plain, atol=1e-4, rtol=1e-4,
+                                           msg=f"{layout} {path}")
+            assert not torch.allclose(plain, model(idx)[0], atol=1e-6, rtol=0), layout
+
+
+@pytest.mark.parametrize("attn", ["mha", "lrkv"])
+def test_the_bytes_at_128m_count_every_scale(attn):
+    """int8 at most 53% of bf16's bytes, int4 at most 30%, at the 128M shape and its context; and
+    kv_cache_bytes is the buffers' bytes, scales, lows, residuals and all."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(attn=attn))
+    bf16 = model.kv_cache_bytes(1, 2048, torch.bfloat16)
+    int8 = model.kv_cache_bytes(1, 2048, torch.bfloat16, Int8KVCache)
+    int4 = model.kv_cache_bytes(1, 2048, torch.bfloat16, Int4KVCache)
+    assert int8 <= 0.53 * bf16 and int4 <= 0.30 * bf16
+    # int8 by its formula: a byte an element, a bf16 scale a row, rho in bf16
+    shapes = model.blocks[0].attn.cache_shapes()
+    per_token = sum(2 * math.prod(shape) if name == "rho" else math.prod(shape) + 2 * math.prod(shape[:-1])
+                    for name, shape in shapes.items())
+    assert int8 == 12 * 2048 * per_token
+    assert {name for name in shapes if name in KEYS} >= {"k"} if attn == "mha" else {"k_shared", "r_k"}
+
+
+def test_bad_input_is_one_line():
+    with pytest.raises(ValueError, match=r"^--kv_quant='int3': must be one of none, int8, int4$"):
+        cache_class("int3")
+    assert set(CACHES) == {"none", "int8", "int4"}
+    model = tiny_model("lrkv", lrkv_rank=3)  # r_k (H, 3): two codes a byte cannot split 3
+    with pytest.raises(ValueError, match=r"^an int4 cache packs two codes a byte: entry r_k is 3 wide, odd$"):
+        model.new_cache(1, 8, cache_class=Int4KVCache)
