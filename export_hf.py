@@ -245,7 +245,10 @@ def export(ckpt, model, tok, native, files, folder, command):
         (folder / "modeling_lrkv.py").write_text(modeling_file(sources))
         write_config(folder, c, eot, variant, next(model.parameters()).dtype)
         weights = {f"model.gpt_model.{name}": w.contiguous() for name, w in model.state_dict().items()}
-        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+        # the weights record the model_args they were exported with: the folder's code refuses a config.json
+        # that differs, naming the field, rather than build another model around them
+        save_file(weights, folder / "model.safetensors",
+                  metadata={"format": "pt", "model_args": json.dumps(dataclasses.asdict(c))})
     # generate stops at end-of-text, as sample.py does, and draws no id the tokenizer lacks (a
     # vocabulary padded for fast matmuls: GPT-2's 50257 tokens in 50304 rows)
     padding = list(range(tok.vocab_size, c.vocab_size))

@@ -23,6 +23,7 @@ only what transformers asks of a model, and says it where it does:
 
 import functools
 import inspect
+import json
 import re
 from dataclasses import dataclass, fields
 
@@ -310,13 +311,21 @@ class LRKVPreTrainedModel(PreTrainedModel):
 
 
 def check_weights(config, path):
-    """A ValueError where the safetensors file at path holds another set of tensors, or of shapes, than the
-    model of config's model_args, naming the fields of model_args that shape the first that differs."""
-    with torch.device("meta"):
-        ours = {name: list(p.shape) for name, p in GPT(config.gpt_config()).state_dict().items()}
+    """A ValueError where config's model_args are not those the safetensors file at path records (the
+    export writes them), naming every field that differs; or, a file recording none, where it holds
+    another set of tensors, or of shapes, than the model of model_args, naming the fields that shape the
+    first that differs."""
     with safetensors.safe_open(path, "pt") as f:
+        exported = json.loads((f.metadata() or {}).get("model_args", "null"))
         theirs = {name.removeprefix("model.gpt_model."): list(f.get_slice(name).get_shape())
                   for name in f.keys()}
+    args = config.model_args
+    differ = [f"model_args.{field}={args.get(field)!r} where the weights were exported with {value!r}"
+              for field, value in (exported or {}).items() if args.get(field) != value]
+    if differ:
+        raise ValueError(f"config.json: {', '.join(differ)} (model.safetensors): another model")
+    with torch.device("meta"):
+        ours = {name: list(p.shape) for name, p in GPT(config.gpt_config()).state_dict().items()}
     for name in sorted(set(ours) | set(theirs), key=lambda name: (name not in ours, name)):
         if ours.get(name) != theirs.get(name):
             held = tuple(theirs[name]) if name in theirs else "no such tensor"

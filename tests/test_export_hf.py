@@ -22,6 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 
@@ -731,13 +732,20 @@ def test_an_out_of_range_field_is_refused_by_name(build, tmp_path, field, value)
 @pytest.mark.parametrize("edits, named", [
     (dict(vocab_size=300), "vocab_size"), (dict(lrkv_rank=3), "lrkv_rank"),
     (dict(head_dim=16, n_embd=64), "head_dim"), (dict(n_layer=4), "n_layer"),
-    (dict(n_head=2, head_dim=16), "n_head")])
+    (dict(n_head=2, head_dim=16), "n_head"), (dict(rope_theta=20000.0), "rope_theta"),
+    (dict(window=4, window_pattern="SL"), "window"), (dict(cla=1), "cla"), (dict(attn="mla"), "attn")])
 def test_fields_that_disagree_with_the_weights_are_refused_by_name(build, tmp_path, edits, named):
-    """Fields each valid, but not the weights': the message names the fields that shape the first
-    tensor that disagrees."""
+    """Fields each valid, but not those the weights were exported with, shapes kept or not: the weights
+    record theirs, and the message names each that differs. Weights that record none (an older
+    export) are checked by shape: the message names the fields that shape the first tensor that
+    disagrees."""
     lrkv = build("lrkv", 2)
     disagreeing = edited(lrkv.out, tmp_path, lambda c: c["model_args"].update(edits))
-    refused(disagreeing, named, "model.safetensors holds")
+    refused(disagreeing, f"model_args.{named}=", "the weights were exported with")
+    if named in ("vocab_size", "lrkv_rank", "head_dim", "n_layer", "n_head"):  # shapes that change
+        weights = safetensors.torch.load_file(disagreeing / "model.safetensors")
+        safetensors.torch.save_file(weights, disagreeing / "model.safetensors", metadata={"format": "pt"})
+        refused(disagreeing, named, "model.safetensors holds")
 
 
 def test_a_bad_end_of_text_or_variant_is_refused(build, tmp_path):
