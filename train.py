@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from lib.attention.convert import load_init_checkpoint
 from lib.attention.diversity import weight_ranks
@@ -41,8 +40,8 @@ from lib.training.configurator import ConfigError
 from lib.training.data import get_tokenizer, load_data
 from lib.training.hardware import check_environment, decoding_dtype, peak_flops, pick_device
 from lib.training.parallel import gathered, process_group, world
-from lib.training.recipe import (backward, build, flops_per_token, optimizer_step, parse_args, precision_line,
-                                 run_dtype)
+from lib.training.recipe import (backward, build, evaluate, flops_per_token, optimizer_step, parse_args,
+                                 precision_line, run_dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,32 +226,6 @@ def progress_line(record, max_steps):
     fields = [LINE_FORMATS.get(name, name + " {:.4g}").format(value) for name, value in record.items()
               if name != "step" and value is not None]
     return " | ".join([f"step {record['step']}/{max_steps}", *fields])
-
-
-@torch.no_grad()
-def evaluate(model, val_tokens, bytes_per_token, block_size, batch_size, autocast, rank, world_size):
-    """(mean cross-entropy in nats per token, bits per byte) on the fixed validation slice: its
-    consecutive block_size windows, shared out among the ranks. BPB is the summed nats over the
-    summed UTF-8 bytes of the target tokens, times 1 / ln 2, with the zero-byte end-of-text token
-    left out of both sums, so that it compares across tokenizers."""
-    device = bytes_per_token.device
-    windows = val_tokens.unfold(0, block_size + 1, block_size)
-    totals = torch.zeros(3, dtype=torch.float64)  # nats, nats of byte-carrying targets, bytes
-    mine = windows[rank::world_size]
-    for i in range(0, len(mine), batch_size):
-        batch = mine[i:i + batch_size].to(device)
-        with autocast:
-            logits, _ = model(batch[:, :-1])
-        targets = batch[:, 1:].flatten()
-        nats = F.cross_entropy(logits.flatten(0, 1), targets, reduction="none")
-        nbytes = bytes_per_token[targets]
-        totals += torch.stack([nats.sum(), (nats * (nbytes > 0)).sum(), nbytes.sum()]).cpu().double()
-    if world_size > 1:
-        totals = totals.to(device)
-        dist.all_reduce(totals)
-        totals = totals.cpu()
-    nats, byte_nats, nbytes = totals.tolist()
-    return nats / (len(windows) * block_size), byte_nats / (math.log(2) * nbytes)
 
 
 def load_eval_tasks(cfg, meta):

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from lib.attention.decode import last_logits
 from model import GPT, GPTConfig, VARIANTS
 from tools import bench
 
@@ -90,6 +91,37 @@ def test_decode_flags_sweep_every_batch_at_every_context(tmp_path):
         assert (row["uncached"]["batch_size"], row["uncached"]["context"]) == (3, 16)
 
 
+def test_kv_quant_decodes_from_each_storage_beside_the_plain_cache(tmp_path, capsys, monkeypatch):
+    """--kv_quant: a row per storage at each batch size and context, for every variant, from a cache of
+    that storage (its bytes, scales included: kv_cache_bytes with its class), and through the
+    fixed-shape step's rounds (here last_logits eager, in place of its compiled form: compiling each
+    storage takes a minute; test_decode and test_quant compile it); shares against MHA's with the
+    first storage named."""
+    monkeypatch.setattr(bench, "compiled_step", last_logits)
+    out = tmp_path / "bench.json"
+    bench.main(["--preset=tiny", "--device=cpu", "--only=decode", "--attn=lrkv", "--contexts=32",
+                "--kv_quant=none,int8,int4", f"--out={out}"])
+    result = strict_json(out.read_text())
+    assert result["decode"]["kv_quant"] == ["none", "int8", "int4"]
+    dtype = getattr(torch, result["decode"]["dtype"])
+    mha_plain = result["variants"]["mha"]["decode"][0]
+    stdout = capsys.readouterr().out
+    for name, row in result["variants"].items():
+        assert [d["kv_quant"] for d in row["decode"]] == ["none", "int8", "int4"]
+        model = GPT(GPTConfig(attn=name, **result["config"]))
+        for d in row["decode"]:
+            cache_class = bench.cache_class(d["kv_quant"])
+            assert d["cache_mib"] * 2**20 == model.kv_cache_bytes(2, 32, dtype, cache_class=cache_class)
+            assert d["cache_pct_mha"] == 100 * d["cache_mib"] / mha_plain["cache_mib"]
+            assert positive_numbers(d, "ms_per_token", "compiled_ms_per_token", "x_mha")
+            storage = result["decode"]["dtype"] if d["kv_quant"] == "none" else d["kv_quant"]
+            assert f"| {name} | 2 | 32 | {storage} | " in stdout
+        # int4 is larger than int8 here: at 32 positions, under a key group of 64, its keys are held in
+        # full precision until the group fills
+        plain, int8, int4 = (d["cache_mib"] for d in row["decode"])
+        assert plain > int8 and plain > int4
+
+
 @pytest.mark.parametrize("flag, message", [
     ("--decode_batch=0", "argument --decode_batch: '0': not distinct positive integers, comma-separated"),
     ("--decode_batch=1,x", "argument --decode_batch: '1,x': not distinct positive integers, "
@@ -100,6 +132,8 @@ def test_decode_flags_sweep_every_batch_at_every_context(tmp_path):
     ("--contexts=32,-8", "argument --contexts: '32,-8': not distinct positive integers, "
                          "comma-separated"),
     # the tiny preset decodes 4 tokens after 2 of warm-up, which need a prompt before them
+    ("--kv_quant=int8,fp8", "argument --kv_quant: 'int8,fp8': not distinct names of none, int8, int4, "
+                            "comma-separated"),
     ("--contexts=6,64", "--contexts: 6 is too short: the preset decodes 4 + 2 tokens after a prompt, "
                         "so at least 7"),
 ])
@@ -160,8 +194,8 @@ def test_compiled_rounds_keep_a_graph_for_every_variant(monkeypatch):
 
     monkeypatch.setattr(bench, "compiled_step", step)
     monkeypatch.setattr(bench, "FixedKVCache", lambda cache: type("Fixed", (), {"pos": torch.zeros(1)})())
-    state = {attn: (type("Cache", (), {})(), 0, torch.zeros(1, 1, dtype=torch.long), None, None)
-             for attn in VARIANTS}
+    view = type("ExactKVCache", (), {"cache": None})
+    state = {attn: (view(), 0, torch.zeros(1, 1, dtype=torch.long), None, None) for attn in VARIANTS}
     assert len(state) > 8
     bench.compiled_rounds(dict.fromkeys(VARIANTS), state, 2, torch.device("cpu"))
     assert min(limits) >= len(VARIANTS)

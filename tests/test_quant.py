@@ -3,18 +3,34 @@ slot by slot (KIVI's key groups filling and wrapping around a ring); every decod
 path, the exact steps, the fixed-shape step) on a quantised cache against the plain path on it, for every
 variant with and without shared keys and windows; the bytes at 128M; bad input in one line."""
 
+import json
 import math
 
 import pytest
 import torch
 
+import train
+
 from lib.attention.decode import ExactKVCache, FixedKVCache
 from lib.attention.quant import CACHES, KEYS, Int4KVCache, Int8KVCache, cache_class
+from lib.attention.ring import RingKVCache
 from model import GPT, GPTConfig, VARIANTS
+from lib.training.checkpoint import load_checkpoint
 from references import TINY, tiny_model
+from test_train import data_dir, flags  # noqa: F401 (data_dir is a fixture)
+from tools import quant_frontier
 
 class Int4Groups4(Int4KVCache):
     group = 4  # key groups that fill and wrap within the tests' few positions
+
+
+class Float16KVCache(RingKVCache):
+    """A new storage as a user would write one, one method on the cache interface and no line of model.py:
+    every entry held in float16, whatever the cache's dtype (store casts into the buffer, load back)."""
+
+    def allocate(self, shapes, length, device):
+        return {name: torch.zeros(self.batch_size, length, *shape, dtype=torch.float16, device=device)
+                for name, shape in shapes.items()}
 
 
 LAYOUTS = {"plain": {}, "cla2": dict(cla=2), "window": dict(window=5, window_pattern="SL")}
@@ -101,12 +117,13 @@ def decode(model, idx, prefix, cls, path):
     return torch.cat(logits, dim=1)
 
 
-@pytest.mark.parametrize("cls", [Int8KVCache, Int4Groups4], ids=["int8", "int4"])
+@pytest.mark.parametrize("cls", [Int8KVCache, Int4Groups4, Float16KVCache], ids=["int8", "int4", "fp16"])
 @pytest.mark.parametrize("attn", VARIANTS)
 def test_every_path_decodes_a_quantised_cache_as_the_plain_path_does(attn, cls):
     """On the entries a quantised cache holds, the exact steps and the fixed-shape step give the plain
     path's logits (keys and values rebuilt from the dequantised entries, attended plainly), to fp32
-    rounding; and the quantised cache is not the unquantised one (the test sees quantisation)."""
+    rounding; and the quantised cache is not the unquantised one (the test sees quantisation). A storage
+    of one method (Float16KVCache) holds for every variant, layout and path as well."""
     idx = torch.randint(0, TINY.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
     for layout, knobs in LAYOUTS.items():
         model = tiny_model(attn, n_layer=4, **knobs)
@@ -143,3 +160,29 @@ def test_bad_input_is_one_line():
     model = tiny_model("lrkv", lrkv_rank=3)  # r_k (H, 3): two codes a byte cannot split 3
     with pytest.raises(ValueError, match=r"^an int4 cache packs two codes a byte: entry r_k is 3 wide, odd$"):
         model.new_cache(1, 8, cache_class=Int4KVCache)
+
+
+def test_the_frontier_tool_measures_each_storage_as_training_and_decoding_do(data_dir, tmp_path, capsys):
+    """tools/quant_frontier.py on a checkpoint that train.py wrote: through an fp32 cache, the validation
+    loss and bits per byte are train.py's own of the full forward (the teacher-forced steps are exact);
+    each storage's bytes are kv_cache_bytes of its class; fp32's greedy text departs from nothing; a
+    checkpoint that is not there is one line, before any is analysed."""
+    out = tmp_path / "run"
+    assert train.main(flags(data_dir=data_dir, out_dir=out, max_steps=2)) == 0
+    assert quant_frontier.main([str(out / "ckpt.pt"), f"--out_dir={tmp_path}", "--batch_size=4"]) == 0
+    run = json.loads((tmp_path / "quant_frontier.json").read_text())["runs"][0]
+    ckpt, model = load_checkpoint(out / "ckpt.pt", "cpu")
+    fp32 = run["storages"]["fp32"]
+    assert fp32["val_loss"] == pytest.approx(ckpt["val_loss"], rel=1e-5)
+    assert fp32["val_bpb"] == pytest.approx(ckpt["val_bpb"], rel=1e-5)
+    assert fp32["greedy_departs_at"] is None
+    T = model.config.block_size
+    for name, cls, dtype in quant_frontier.STORAGES:
+        assert run["storages"][name]["bytes_per_token"] == model.kv_cache_bytes(1, T, dtype, cls) / T, name
+    assert (tmp_path / "quant_frontier.png").stat().st_size > 0
+    capsys.readouterr()
+    gone = tmp_path / "gone.pt"
+    assert quant_frontier.main([str(out / "ckpt.pt"), str(gone), f"--out_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tools/quant_frontier.py: {gone}") and err.count("\n") == 1, err
+

@@ -139,7 +139,7 @@ def test_loss_and_bits_per_byte_are_exact():
     table = torch.randn(8, 8)  # logits for the next token, by the current token
     bytes_per_token = torch.tensor([0, 1, 2, 3, 4, 1, 2, 3])
     tokens = torch.tensor([0, 3, 1, 0, 7, 4, 2, 0, 5])  # two windows of 4 targets each
-    loss, bpb = train.evaluate(lambda idx: (table[idx], None), tokens, bytes_per_token, 4, 1, nullcontext(),
+    loss, bpb = recipe.evaluate(lambda idx: (table[idx], None), tokens, bytes_per_token, 4, 1, nullcontext(),
                                0, 1)
     nats = [-torch.log_softmax(table[a].double(), 0)[b].item() for a, b in zip(tokens[:-1], tokens[1:])]
     nbytes = [bytes_per_token[b].item() for b in tokens[1:]]
@@ -147,10 +147,20 @@ def test_loss_and_bits_per_byte_are_exact():
     assert bpb == pytest.approx(sum(n for n, k in zip(nats, nbytes) if k) / (math.log(2) * sum(nbytes)))
 
 
-def test_a_run_shorter_than_its_warmup_is_warned_of_not_refused(data_dir, tmp_path, capsys):
-    assert train.main(flags(data_dir=data_dir, out_dir=tmp_path / "out", max_steps=2, warmup_steps=4)) == 0
-    warning = "warning: max_steps = 2 is below warmup_steps = 4: the lr ends at 50% of its peak"
-    assert warning in capsys.readouterr().err
+@pytest.mark.parametrize("overrides, warning", [
+    (dict(warmup_steps=4), "max_steps = 2 is below warmup_steps = 4: the lr ends at 50% of its peak"),
+    (dict(window_pattern="SL"),
+     "--window_pattern=SL without --window changes nothing: every layer sees every position"),
+    (dict(window=8, window_pattern="SLS"),
+     "--window_pattern=SLS has more letters than n_layer = 2: those past it are unused"),
+    (dict(window=8, window_pattern="SL"), None)], ids=["warmup", "no window", "long pattern", "none"])
+def test_flags_that_run_but_do_less_than_they_say_are_warned_of(data_dir, tmp_path, capsys, overrides,
+                                                                warning):
+    """Each a warning line on stderr, the run done; flags that do what they say, none."""
+    run = {"data_dir": data_dir, "out_dir": tmp_path / "out", "max_steps": 2, **overrides}
+    assert train.main(flags(**run)) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+    assert warnings == ([f"warning: {warning}"] if warning else []), warnings
 
 
 @pytest.mark.parametrize("max_steps, warmup_steps", [(100, 10), (1000, 0), (50, 5)])

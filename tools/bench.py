@@ -13,8 +13,10 @@ Decoding: prefill a prompt, then feed one token at a time until the KV cache, si
 context length, is full, every variant in turn over several rounds (bench_decode), at every
 decode batch size and context of the preset or of --decode_batch and --contexts: ms per new
 token back to back and a step alone, tokens/s, the MiB its buffers hold and their share of
-MHA's. At the first batch size and context, generate() with and without the cache shows what
-the cache buys. With --random_caches, the caches are filled with random entries instead of a
+MHA's. With --kv_quant, each variant decodes from each cache storage in turn (lib/attention/quant.py:
+none, the decoding dtype's; int8; int4), a row each, every row's shares relative to MHA's with the
+first storage named. At the first batch size and context, generate() with and without the cache
+shows what the cache buys. With --random_caches, the caches are filled with random entries instead of a
 prefill (a step's cost does not depend on the values it reads, and a 16 x 8,192 prefill takes
 minutes on a CPU), and generate() is left out. Decoding holds weights and cache alike in the
 policy's dtype for decoding, as a server would (autocast would re-cast every weight at every
@@ -24,6 +26,7 @@ mask), as one CUDA graph on a GPU; the seconds its compiling takes are reported 
 
     python -m tools.bench --preset=cpu
     python -m tools.bench --preset=cpu --only=decode --decode_batch=1,16 --contexts=2048,8192
+    python -m tools.bench --preset=cpu --only=decode --kv_quant=none,int8,int4  # docs/decoding.md
     OMP_NUM_THREADS=1 python -m tools.bench --only=decode --decode_batch=1,16 --contexts=2048,8192 \
         --dtype=float32 --random_caches --no-compiled_decode --new_tokens=4 --peaks  # docs/decoding.md
     python -m tools.bench --preset=128m --device=cuda --check --out=bench_gpu.json
@@ -56,7 +59,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from lib.training.checkpoint import check_writable
 from lib.training.configurator import ArgumentParser, ConfigError
 from lib.attention.decode import ExactKVCache, FixedKVCache, compiled_step, exact_step, generate
-from lib.attention.ring import RingKVCache
+from lib.attention.quant import CACHES, cache_class
 from lib.training.hardware import DEVICES, PRECISION_NAMES, USES, peak_flops, pick_device, precision
 from model import GPT, GPTConfig, VARIANTS
 from lib.training.data import atomic_open
@@ -227,11 +230,13 @@ def bench_train(config, preset, device, dtype, ns_dtype, compile, profile):
 
 
 @torch.inference_mode()
-def bench_decode(configs, preset, device, dtype, compiled, measured=lambda rows: None, random_caches=False):
+def bench_decode(configs, preset, device, dtype, compiled, measured=lambda rows: None, random_caches=False,
+                 kv_quant=("none",)):
     """{variant: (rows, generate's row)} for every config at once, interleaved: a row per decode
-    batch size and context (the preset's decode_batches and contexts), batch by batch. Per batch
-    size and context, each variant is prefilled to the same position; then in each of
-    DECODE_ROUNDS rounds every variant in turn runs the n steps that fill its cache, over the same
+    batch size, context (the preset's decode_batches and contexts) and cache storage (kv_quant's
+    names), batch by batch. Per batch size and context, each variant is prefilled, into a cache of
+    each storage, to the same position; then in each of
+    DECODE_ROUNDS rounds every variant and storage in turn runs the n steps that fill its cache, over the same
     positions each round, twice: each step on its own (the device drained before and after it)
     and back to back with one drain at the end, as generate() runs them (on a GPU the host then
     queues the next step while the device runs this one). A machine whose load drifts (a busy
@@ -242,7 +247,7 @@ def bench_decode(configs, preset, device, dtype, compiled, measured=lambda rows:
     start: compiled_ms_per_token. measured(rows) is called after each batch size and context with
     the rows so far, so that a run cut short keeps them. With random_caches, each variant's caches
     are filled to that position with random entries (fill_randomly) instead of by a prefill, and
-    generate()'s row is None."""
+    generate()'s row is None. generate() decodes from the plain cache (storage none)."""
     n = preset["new_tokens"]
     models = {attn: inference_model(config, device, dtype) for attn, config in configs.items()}
     vocab_size = next(iter(configs.values())).vocab_size  # one preset: the same for every variant
@@ -250,8 +255,8 @@ def bench_decode(configs, preset, device, dtype, compiled, measured=lambda rows:
     for B, L in itertools.product(preset["decode_batches"], preset["contexts"]):
         prompt = torch.randint(vocab_size, (B, L - DECODE_WARMUP - n), device=device)
         state = {}
-        for attn, model in models.items():
-            cache = model.new_cache(B, L, dtype, cache_class=RingKVCache)
+        for (attn, model), storage in itertools.product(models.items(), kv_quant):
+            cache = model.new_cache(B, L, dtype, cache_class=cache_class(storage))
             if random_caches:
                 token = fill_randomly(model, cache, prompt)
             else:
@@ -259,25 +264,27 @@ def bench_decode(configs, preset, device, dtype, compiled, measured=lambda rows:
             cache = ExactKVCache(cache)  # each step through its variant's own
             for _ in range(DECODE_WARMUP):
                 token = model(token, cache=cache)[0].argmax(-1)
-            state[attn] = (cache, cache.pos, token, [], [])
+            state[attn, storage] = (cache, cache.pos, token, [], [])
+        runs = {key: models[key[0]] for key in state}  # (variant, storage): its model
         for _ in range(DECODE_ROUNDS):
-            for attn, (cache, start, token, alone, back_to_back) in state.items():
+            for key, (cache, start, token, alone, back_to_back) in state.items():
                 cache.pos = start
                 for _ in range(n):
                     t0 = clock(device)
-                    token = models[attn](token, cache=cache)[0].argmax(-1)
+                    token = runs[key](token, cache=cache)[0].argmax(-1)
                     alone.append(clock(device) - t0)
                 cache.pos = start
                 t0 = clock(device)
                 for _ in range(n):
-                    token = models[attn](token, cache=cache)[0].argmax(-1)
+                    token = runs[key](token, cache=cache)[0].argmax(-1)
                 back_to_back.append((clock(device) - t0) / n)
-        fixed = compiled_rounds(models, state, n, device) if compiled else {}
-        for attn, (cache, _, _, alone, back_to_back) in state.items():
+        fixed = compiled_rounds(runs, state, n, device) if compiled else {}
+        for (attn, storage), (cache, _, _, alone, back_to_back) in state.items():
             ms = 1000 * statistics.median(back_to_back)
             mib = sum(buf.nbytes for layer in cache.cache.layers for buf in layer.values()) / MIB
-            compiled_ms, compile_s = fixed.get(attn, (None, None))
-            rows[attn].append(dict(batch_size=B, context=L, ms_per_token=ms, tokens_per_s=B * 1000 / ms,
+            compiled_ms, compile_s = fixed.get((attn, storage), (None, None))
+            rows[attn].append(dict(batch_size=B, context=L, kv_quant=storage, ms_per_token=ms,
+                                   tokens_per_s=B * 1000 / ms,
                                    step_alone_ms_per_token=1000 * statistics.median(alone), cache_mib=mib,
                                    compiled_ms_per_token=compiled_ms, compile_s=compile_s))
         del state
@@ -306,46 +313,50 @@ def bench_decode(configs, preset, device, dtype, compiled, measured=lambda rows:
 
 def fill_randomly(model, cache, prompt):
     """Fill model's cache to where a prefill of prompt (B, T) would leave it, with random entries (each
-    key RMS in [0.5, 1.5], as a RMS is positive), after a prefill of its first token; return the token
-    that a prefill would have drawn, a random one."""
+    key RMS in [0.5, 1.5], as a RMS is positive; a quantised cache's codes random too, its bookkeeping
+    of int64 left), after a prefill of its first token; return the token that a prefill would have
+    drawn, a random one."""
     model(prompt[:, :1], cache=cache)
     cache.pos = prompt.size(1)
     for layer in cache.layers:
         for name, buf in layer.items():
-            buf.uniform_(0.5, 1.5) if name == "rho" else buf.uniform_(-0.5, 0.5)
+            if buf.is_floating_point():
+                buf.uniform_(0.5, 1.5) if name == "rho" else buf.uniform_(-0.5, 0.5)
+            elif buf.dtype in (torch.int8, torch.uint8):
+                buf.random_(0, 128)
     return torch.randint_like(prompt[:, :1], int(prompt.max()) + 1)
 
 
 def compiled_rounds(models, state, n, device):
-    """{variant: (ms per token, s to compile)} of the compiled fixed-shape step over bench_decode's
-    positions: the caches fixed at the rounds' start, two steps to compile (and on a GPU record
-    the CUDA graph; the seconds of the first, less a step, are the compile time), then
-    DECODE_ROUNDS interleaved rounds of n steps back to back, the median round."""
+    """{key: (ms per token, s to compile)} of the compiled fixed-shape step of models[key] over
+    bench_decode's positions (state[key]): the caches fixed at the rounds' start, two steps to
+    compile (and on a GPU record the CUDA graph; the seconds of the first, less a step, are the
+    compile time), then DECODE_ROUNDS interleaved rounds of n steps back to back, the median round."""
     torch._dynamo.reset()  # a graph per variant and context: more than dynamo keeps for one function
     times, compile_s, fixed = {}, {}, {}
     # every variant's graph kept at once, for the interleaved rounds: the nine variants are more than
     # the 8 graphs dynamo keeps of one function by default, past which the ninth would run eager
     limit = max(torch._dynamo.config.recompile_limit, len(state))
     with torch._dynamo.config.patch(recompile_limit=limit):
-        for attn, (cache, start, token, _, _) in state.items():
+        for key, (cache, start, token, _, _) in state.items():
             cache.pos = start
-            fixed[attn] = FixedKVCache(cache)
+            fixed[key] = FixedKVCache(cache.cache)  # a view over the same RingKVCache as state's
             seconds = []
             for _ in range(DECODE_WARMUP):
                 t0 = clock(device)
-                compiled_step(models[attn], token, fixed[attn])
+                compiled_step(models[key], token, fixed[key])
                 seconds.append(clock(device) - t0)
-            compile_s[attn] = seconds[0] - seconds[-1]
-            times[attn] = []
+            compile_s[key] = seconds[0] - seconds[-1]
+            times[key] = []
         for _ in range(DECODE_ROUNDS):
-            for attn, (_, start, token, _, _) in state.items():
-                fixed[attn].pos.fill_(start)
+            for key, (_, start, token, _, _) in state.items():
+                fixed[key].pos.fill_(start)
                 t0 = clock(device)
                 for _ in range(n):
-                    token = compiled_step(models[attn], token, fixed[attn]).argmax(-1, keepdim=True)
-                    fixed[attn].pos += 1
-                times[attn].append((clock(device) - t0) / n)
-    return {attn: (1000 * statistics.median(t), compile_s[attn]) for attn, t in times.items()}
+                    token = compiled_step(models[key], token, fixed[key]).argmax(-1, keepdim=True)
+                    fixed[key].pos += 1
+                times[key].append((clock(device) - t0) / n)
+    return {key: (1000 * statistics.median(t), compile_s[key]) for key, t in times.items()}
 
 
 def measure_peaks(preset, device, dtype):
@@ -418,15 +429,17 @@ def markdown(result):
                       "that fill the cache up to the context, every variant in turn in each of "
                       f"{de['rounds']} rounds; ms/token: back to back, one sync, median round; a step alone: "
                       "synced before and after, median step", "",
-                  "| variant | batch | context | ms/token | tokens/s | ms a step alone | compiled ms/token | "
-                  "x MHA compiled | compiling, s | cache MiB | % of MHA cache | x MHA time |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| variant | batch | context | cache | ms/token | tokens/s | ms a step alone | compiled "
+                  "ms/token | x MHA compiled | compiling, s | cache MiB | % of MHA cache | x MHA time |",
+                  "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for name, v in variants.items():
             for d in v["decode"]:
                 compiled = "-" if d["compiled_ms_per_token"] is None else f"{d['compiled_ms_per_token']:.2f}"
                 x_compiled = "-" if d["compiled_x_mha"] is None else f"{d['compiled_x_mha']:.2f}"
                 compile_s = "-" if d["compile_s"] is None else f"{d['compile_s']:.1f}"
-                lines.append(f"| {name} | {d['batch_size']} | {d['context']} | {d['ms_per_token']:.2f} | "
+                storage = de["dtype"] if d["kv_quant"] == "none" else d["kv_quant"]
+                lines.append(f"| {name} | {d['batch_size']} | {d['context']} | {storage} | "
+                             f"{d['ms_per_token']:.2f} | "
                              f"{d['tokens_per_s']:,.0f} | {d['step_alone_ms_per_token']:.2f} | {compiled} | "
                              f"{x_compiled} | {compile_s} | {d['cache_mib']:.1f} | "
                              f"{d['cache_pct_mha']:.1f} | {d['x_mha']:.2f} |")
@@ -463,6 +476,16 @@ def variants(text):
     unknown = [name for name in names if name not in VARIANTS]
     if unknown:
         raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: not one of {', '.join(VARIANTS)}")
+    return names
+
+
+def storages(text):
+    """--kv_quant's value: distinct names of quant.CACHES, comma-separated."""
+    names = text.split(",")
+    unknown = [name for name in names if name not in CACHES]
+    if unknown or len(set(names)) < len(names):
+        raise argparse.ArgumentTypeError(f"{text!r}: not distinct names of {', '.join(CACHES)}, "
+                                         "comma-separated")
     return names
 
 
@@ -508,6 +531,10 @@ def main(argv=None):
                         help="decode from caches filled with random entries instead of a prefill (the "
                              "step's cost is the same; long contexts' prefills take minutes on a CPU); "
                              "leaves out generate()'s rows")
+    parser.add_argument("--kv_quant", type=storages, default=["none"],
+                        help="comma-separated cache storages to decode from, each a row "
+                             "(lib/attention/quant.py: none, int8, int4); shares are relative to MHA's with "
+                             "the first (default: none)")
     parser.add_argument("--new_tokens", type=int,
                         help="single-token steps per round and variant in decoding (default: the preset's)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
@@ -552,6 +579,7 @@ def main(argv=None):
                    ns_dtype=PRECISION_NAMES[ns_dtype]),
         decode=dict(batch_sizes=list(preset["decode_batches"]), contexts=list(preset["contexts"]),
                     new_tokens=preset["new_tokens"], rounds=DECODE_ROUNDS, random_caches=args.random_caches,
+                    kv_quant=args.kv_quant,
                     dtype=str(decode_dtype).removeprefix("torch.")),
         variants={},
     )
@@ -596,11 +624,15 @@ def main(argv=None):
             save(result, args.out)
         configs = {attn: GPTConfig(attn=attn, **preset["model"]) for attn in result["variants"]}
         decoded = bench_decode(configs, preset, device, decode_dtype, args.compiled_decode, measured,
-                               args.random_caches)
+                               args.random_caches, args.kv_quant)
+        # every row against MHA's at its batch size and context, with the first storage named
+        baseline = {(m["batch_size"], m["context"]): m for m in decoded[BASELINE][0]
+                    if m["kv_quant"] == args.kv_quant[0]}
         for attn, (rows, uncached) in decoded.items():
             row = result["variants"][attn]
             row["decode"], row["uncached"] = rows, uncached
-            for d, m in zip(rows, decoded[BASELINE][0]):
+            for d in rows:
+                m = baseline[d["batch_size"], d["context"]]
                 d["cache_pct_mha"] = 100 * d["cache_mib"] / m["cache_mib"]
                 d["x_mha"] = d["ms_per_token"] / m["ms_per_token"]
                 d["compiled_x_mha"] = (d["compiled_ms_per_token"] / m["compiled_ms_per_token"]
@@ -608,7 +640,7 @@ def main(argv=None):
             times = [f"{d['ms_per_token']:.2f} ms/token ({d['step_alone_ms_per_token']:.2f} a step alone"
                      + (f", compiled {d['compiled_ms_per_token']:.2f} after {d['compile_s']:.1f} s compiling"
                         if d["compiled_ms_per_token"] else "")
-                     + f") at {d['context']}" for d in rows]
+                     + f") at {d['context']}, {d['kv_quant']} cache" for d in rows]
             speedup = f"; without the cache {uncached['speedup']:.1f}x the time" if uncached else ""
             log(f"{attn}: decoding {', '.join(times)}{speedup}")
         save(result, args.out)

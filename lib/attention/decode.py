@@ -40,21 +40,23 @@ from model import LowRankKVAttention, MultiHeadLatentAttention, sample
 
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, step=None,
-             vocab_size=None, cache_class=RingKVCache):
+             vocab_size=None, cache_class=RingKVCache, cache_dtype=None):
     """idx (B, T) continued by max_new_tokens sampled tokens: (B, T + max_new_tokens)."""
-    new = stream(model, idx, max_new_tokens, temperature, top_k, use_cache, step, vocab_size, cache_class)
+    new = stream(model, idx, max_new_tokens, temperature, top_k, use_cache, step, vocab_size, cache_class,
+                 cache_dtype)
     return torch.cat([idx, *new], dim=1)
 
 
 @torch.no_grad()
 def stream(model, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True, step=None,
-           vocab_size=None, cache_class=RingKVCache):
+           vocab_size=None, cache_class=RingKVCache, cache_dtype=None):
     """Yield the max_new_tokens tokens (B, 1) that continue idx (B, T), as they are drawn: model.py's
     GPT.generate, the same loop and sampling (model.sample; temperature 0: greedy; vocab_size: only ids
     below it), with a choice. The prompt goes into a new cache of cache_class (RingKVCache, or a storage
     of quant.py's), then each token through step(model, token, cache) -> (logits, cache): by default a
     forward, the plain cached path; exact_step and compiled_decode (below) hand back a view over the
-    same cache. use_cache=False: a whole forward every token."""
+    same cache, in cache_dtype (autocast's, else the weights'). use_cache=False: a whole forward every
+    token."""
     if step is not None and not use_cache:
         raise ValueError("a step feeds the KV cache: it needs use_cache=True")
     L = model.config.block_size
@@ -63,7 +65,7 @@ def stream(model, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=Tr
     keep, start, cache = L - L // 2, max(0, idx.size(1) - L), None
     max_len = min(L, idx.size(1) + max_new_tokens)  # the cache's: the longest the context gets
     device = idx.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    dtype = cache_dtype or (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None)
     for _ in range(max_new_tokens):
         if idx.size(1) - start > L:
             start, cache = idx.size(1) - keep, None
@@ -86,10 +88,11 @@ def last_logits(model, token, cache):
 
 
 @torch.no_grad()
-def teacher_forced(model, idx, cache_class=RingKVCache):
+def teacher_forced(model, idx, cache_class=RingKVCache, dtype=None):
     """The logits (B, T, vocab) of idx (B, T) as decoding computes them: a token at a time, each through
-    its variant's exact step over a cache of cache_class (a quantised one's entries as it holds them)."""
-    cache = ExactKVCache(model.new_cache(idx.size(0), idx.size(1), cache_class=cache_class))
+    its variant's exact step over a cache of cache_class in dtype (the weights'): a quantised one's
+    entries as it holds them."""
+    cache = ExactKVCache(model.new_cache(idx.size(0), idx.size(1), dtype, cache_class=cache_class))
     return torch.cat([model(idx[:, t:t + 1], cache=cache)[0] for t in range(idx.size(1))], dim=1)
 
 
@@ -147,8 +150,8 @@ def key_scores(attn, q, k_shared, r_k, rho, rope):
     This is the paper's eq. 6, q_h K_h^T = q_h K_shared^T + (q_h B_h^K)(R_h^K)^T, made exact: RoPE does
     not commute with B_h (a rotation of d_h dims cannot pass into r dims), so the rotation goes into the
     query side, position by position. The first term is MQA's, over the cached rotated K_shared. In the
-    second, RoPE (model.apply_rope) turns dims i and i' = i + d_h/2 by s theta_i, and its transpose
-    turns the query back:
+    second, RoPE (model.apply_rope) takes each pair of dims i and i' = i + d_h/2 of a key at position s
+    to (x_i cos + x_i' sin, x_i' cos - x_i sin) of s theta_i, and its transpose turns the query back:
 
         (Rot_s^T q)_i  = q_i cos(s theta_i) - q_i' sin(s theta_i)
         (Rot_s^T q)_i' = q_i sin(s theta_i) + q_i' cos(s theta_i)

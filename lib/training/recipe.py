@@ -2,12 +2,15 @@
 The paper's training recipe, as train.py runs it and tools/bench.py and tools/plan.py measure it:
 TrainConfig (every flag of train.py beside GPTConfig's), the model and optimisers a run builds (Muon
 for the blocks' matrices, AdamW for the embeddings), one step's forward and backward over its
-micro-batches, and the optimizer step with its gradient clip.
+micro-batches, the optimizer step with its gradient clip, and the validation loss and bits per byte.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 from lib.attention.convert import CALIBRATION_TOKENS, distill_loss
 from lib.training import configurator
@@ -209,3 +212,27 @@ def precision_line(cfg, device, dtype, ns_dtype):
                      for what, use, value, flag in uses)
 
 
+@torch.no_grad()
+def evaluate(model, val_tokens, bytes_per_token, block_size, batch_size, autocast, rank, world_size):
+    """(mean cross-entropy in nats per token, bits per byte) on the fixed validation slice: its
+    consecutive block_size windows, shared out among the ranks. BPB is the summed nats over the
+    summed UTF-8 bytes of the target tokens, times 1 / ln 2, with the zero-byte end-of-text token
+    left out of both sums, so that it compares across tokenizers."""
+    device = bytes_per_token.device
+    windows = val_tokens.unfold(0, block_size + 1, block_size)
+    totals = torch.zeros(3, dtype=torch.float64)  # nats, nats of byte-carrying targets, bytes
+    mine = windows[rank::world_size]
+    for i in range(0, len(mine), batch_size):
+        batch = mine[i:i + batch_size].to(device)
+        with autocast:
+            logits, _ = model(batch[:, :-1])
+        targets = batch[:, 1:].flatten()
+        nats = F.cross_entropy(logits.flatten(0, 1), targets, reduction="none")
+        nbytes = bytes_per_token[targets]
+        totals += torch.stack([nats.sum(), (nats * (nbytes > 0)).sum(), nbytes.sum()]).cpu().double()
+    if world_size > 1:
+        totals = totals.to(device)
+        dist.all_reduce(totals)
+        totals = totals.cpu()
+    nats, byte_nats, nbytes = totals.tolist()
+    return nats / (len(windows) * block_size), byte_nats / (math.log(2) * nbytes)
