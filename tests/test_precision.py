@@ -13,7 +13,9 @@ import pytest
 import torch
 
 import analyze
-from tools import bench
+import eval as eval_script
+import export_hf
+from tools import bench, quant_frontier
 
 from lib.training import configurator
 
@@ -70,6 +72,36 @@ def test_lrkv_precision_forces_every_use_and_anything_else_is_one_line(monkeypat
     with pytest.raises(configurator.ConfigError,
                        match="^LRKV_CPU_CLASS=avx512: must be one of AMX, AVX512-BF16, AVX2, or unset"):
         hardware.precision("decode", "cpu")
+
+
+# Every script checks the environment the same way (hardware.check_environment), first: a value of
+# either variable that is not theirs is refused in one line naming it, before anything is read or
+# written, whatever else the command line holds; analyze.py's bad input exits 1, the others' 2.
+SCRIPTS = {"train.py": (train.main, lambda tmp: [f"--out_dir={tmp / 'out'}", "--device=cpu"], 2),
+           "sample.py": (sample.main, lambda tmp: [str(tmp / "ckpt.pt"), "--device=cpu"], 2),
+           "eval.py": (eval_script.main, lambda tmp: [str(tmp / "ckpt.pt"), "--device=cpu"], 2),
+           "analyze.py": (analyze.main, lambda tmp: [str(tmp / "ckpt.pt"), f"--out_dir={tmp / 'out'}"], 1),
+           "export_hf.py": (export_hf.main, lambda tmp: [str(tmp / "ckpt.pt"), str(tmp / "out")], 2),
+           "tools/quant_frontier.py": (quant_frontier.main,
+                                       lambda tmp: [str(tmp / "ckpt.pt"), f"--out_dir={tmp / 'out'}"], 2)}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("variable, value", [("LRKV_CPU_CLASS", "garbage"), ("LRKV_CPU_CLASS", "avx2"),
+                                             ("LRKV_PRECISION", "fp16")])
+def test_every_script_refuses_a_bad_environment_in_one_line(script, variable, value, tmp_path,
+                                                            monkeypatch, capsys):
+    main, argv, expected = SCRIPTS[script]
+    monkeypatch.setenv(variable, value)
+    try:
+        code = main(argv(tmp_path))
+    except SystemExit as e:  # analyze.py: sys.exit(message)
+        code, message = 1, str(e.code)
+    else:
+        message = capsys.readouterr().err.removeprefix(f"{script}: ").rstrip("\n")
+    assert code == expected
+    assert message.startswith(f"{variable}={value}: must be one of") and "\n" not in message, message
+    assert capsys.readouterr().out == "" and list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("flags, cap, unit", [
@@ -132,7 +164,8 @@ def test_the_scripts_train_resume_convert_sample_analyze_and_bench_in_a_forced_p
                         "--max_new_tokens=12"]) == 0
     first, text = capsys.readouterr().out.split("\n", 1)
     name = str(dtype).removeprefix("torch.")
-    assert first == f"precision: {name} weights and KV cache (LRKV_PRECISION={forced})"
+    assert first.startswith(f"precision: {name} weights (LRKV_PRECISION={forced}) | KV cache "), first
+    assert f"({name}, 1 x " in first, first
     model = load_checkpoint(ckpt_path, "cpu")[1].to(dtype).eval()
     for cache in (True, False):  # the cached and the uncached decoding agree in bf16 too
         assert text.split(SEPARATOR)[0] == reference(model, "def ", 12, temperature=0, use_cache=cache)[0]

@@ -212,6 +212,21 @@ def test_text_folder_and_max_tokens(tmp_path):
     meta = load_meta(tmp_path / "cut")
     assert meta["train_tokens"] + meta["val_tokens"] == 1000
 
+def test_a_text_file_that_is_not_utf8_is_read_with_a_warning(tmp_path, capsys):
+    """A stray byte does not stop a corpus: it is read as U+FFFD, and said in one line naming the file,
+    the byte and its offset."""
+    texts = make_texts(20, seed=2)
+    (tmp_path / "in").mkdir()
+    for i, text in enumerate(texts):
+        (tmp_path / "in" / f"{i}.txt").write_text(text, encoding="utf-8")
+    bad = tmp_path / "in" / "3.txt"
+    bad.write_bytes(texts[3][:7].encode() + b"\xff" + texts[3][7:].encode())
+    pd.main(["--dataset=text", "--tokenizer=byte", f"--input={tmp_path / 'in'}",
+             f"--out_dir={tmp_path / 'out'}"])
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+    assert warnings == [f"warning: {bad}: byte 7 (0xff) is not UTF-8; such bytes are read as U+FFFD"]
+    check_dataset(tmp_path / "out", texts[:3] + [texts[3][:7] + "\ufffd" + texts[3][7:]] + texts[4:])
+
 def test_pydocs_is_deterministic(tmp_path):
     for name in ("a", "b"):
         pd.main(["--dataset=pydocs", "--tokenizer=byte", f"--out_dir={tmp_path / name}"])

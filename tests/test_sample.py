@@ -261,18 +261,6 @@ def test_a_temperature_too_small_for_floating_point_is_greedy(capsys, ckpt):
         assert run(capsys, ckpt, f"--prompt={PROMPT}", f"--temperature={tiny}")[0] == greedy, tiny
 
 
-@pytest.mark.parametrize("variable, value", [("LRKV_CPU_CLASS", "garbage"), ("LRKV_CPU_CLASS", "avx2"),
-                                             ("LRKV_PRECISION", "fp16")])
-def test_a_bad_environment_is_one_line(capsys, ckpt, monkeypatch, variable, value):
-    """As train.py refuses it: on a run trained in float32 by choice too, whose precision it would not
-    decide."""
-    monkeypatch.setenv(variable, value)
-    assert exit_code([str(ckpt), "--device=cpu"]) == 2
-    out, err = capsys.readouterr()
-    assert out == "" and err.count("\n") == 1
-    assert err.startswith(f"sample.py: {variable}={value}: must be one of")
-
-
 def test_lrkv_precision_decides_as_the_readme_says(capsys, ckpt, monkeypatch):
     """LRKV_PRECISION forces the precision, of a run trained in float32 by choice too."""
     monkeypatch.setenv("LRKV_PRECISION", "bf16")
