@@ -1,9 +1,7 @@
-"""
-One GPT, five ways to attend, MHA, GQA, MQA, MLA and LRKV (Low-Rank Key-Value attention), on the paper's
+"""One GPT, five ways to attend, MHA, GQA, MQA, MLA and LRKV (Low-Rank Key-Value attention), on the paper's
 128M backbone (nanochat's: RoPE, weightless RMSNorm before each sublayer and on queries and keys, ReLU^2
 MLP, untied embeddings, no biases); README's notation names the symbols. Training, then decoding
-(generate, KVCache). It imports torch alone; what is not the paper is a layer in lib/attention/.
-"""
+(generate, KVCache). It imports torch alone; what is not the paper is a layer in lib/attention/."""
 
 import importlib
 import math
@@ -42,15 +40,17 @@ class GPTConfig:
     mlra_latent_dim: int = 128
 
     def __post_init__(self):
-        """The one check of a model's fields (a flag's, a checkpoint's, an exported config.json's): a
-        ValueError of one line naming the first field that cannot make the model its weights were."""
+        """The one check of a model's fields (a flag's, a checkpoint's, a config.json's), which a reader of
+        the model may skip: a ValueError of one line naming the first field that cannot make the model."""
         H, d_h, span = self.n_head, self.head_dim, f"from 1 to block_size = {self.block_size}, or None"
-        kinds = {int: "a positive integer", float: "a number", bool: "true or false", str: "a string"}
-        for field in fields(self):  # first its type: an int may stand for a float, a bool for nothing else
-            value, allowed = getattr(self, field.name), (int, float) if field.type is float else field.type
-            typed = isinstance(value, allowed) and isinstance(value, bool) == (field.type is bool)
-            if not typed or type(value) is int and value < 1:  # and an int is at least 1
-                self.reject(field.name, kinds.get(field.type, span))  # span: window's, int | None
+        kinds = {bool: "true or false", str: "a string", float: "a number", int: "a positive integer"}
+        for field in fields(self):  # first its type
+            value, kind = getattr(self, field.name), field.type
+            if kind == int | None and value is None:  # window: None, else an int as the others
+                continue
+            ok = {bool: type(value) is bool, str: type(value) is str, float: type(value) in (int, float)}
+            if not ok.get(kind, type(value) is int and value >= 1):  # every other field an int >= 1
+                self.reject(field.name, kinds.get(kind, span))
         for field, ok, allowed in (
                 ("attn", self.attn in VARIANTS, "one of " + ", ".join(VARIANTS)),
                 ("head_dim", d_h % 2 == 0, "even (RoPE rotates pairs of dimensions)"),
@@ -91,9 +91,9 @@ def rope_table(dim, max_len, theta):
 
 
 def apply_rope(x, rope):
-    """RoPE on x (B, T, heads, D) by each token's row of rope (T, rope_dim; hf/'s: (B, T, rope_dim)): of the
-    last rope_dim dims, i and i' = i + rope_dim/2 turn by -s theta_i (nanochat's sense), (x_i, x_i') ->
-    (x_i cos + x_i' sin, x_i' cos - x_i sin); the first D - rope_dim pass as they are."""
+    """RoPE on x (B, T, heads, D), by its token's row of rope (T, rope_dim), or (B, T, rope_dim) for rows
+    of their own: of x's last rope_dim dims, each pair i, i' = i + rope_dim/2 becomes (x_i cos + x_i' sin,
+    x_i' cos - x_i sin), cos and sin of s theta_i at the token's position s; the first D - rope_dim pass."""
     cos, sin = rope.unsqueeze(-2).to(x.dtype).chunk(2, dim=-1)  # (T, 1, half) each, or (B, T, 1, half)
     x_pass, x1, x2 = x.split((x.size(-1) - 2 * cos.size(-1), cos.size(-1), cos.size(-1)), dim=-1)
     return torch.cat((x_pass, x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
@@ -108,7 +108,7 @@ class Attention(nn.Module):
         super().__init__()
         self.layer, self.n_head, self.head_dim = layer, config.n_head, config.head_dim
         self.qk_dim = qk_dim or config.head_dim  # d_qk: a query or key head's width
-        self.rope_dim = rope_dim or config.head_dim  # RoPE turns a query's and a key's last rope_dim dims
+        self.rope_dim = rope_dim or config.head_dim  # RoPE turns a q/k head's last rope_dim: rope's width
         self.W_q = nn.Linear(config.n_embd, config.n_head * self.qk_dim, bias=False)
         self.W_o = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=False)
 
@@ -184,8 +184,8 @@ class LowRankKVAttention(Attention):
         K_h = X W_shared^K + (X U_h^K)(B_h^K)^T = K_shared + R_h^K (B_h^K)^T
 
     and V_h likewise. Training builds every K_h and V_h and attends as MHA, k_h = Rot(norm(K_h)). r = d_h
-    gives every head MHA's capacity; with no residual it is MQA. Weights: W_shared_k and U_k, nn.Linear
-    maps of x, hold transposes, (W_shared^K)^T (d_h, d) and the (U_h^K)^T stacked (H r, d); B_k the B_h^K."""
+    gives every head MHA's capacity; with no residual it is MQA. Weights (keys'; values' alike): W_shared_k
+    holds (W_shared^K)^T (d_h, d), U_k the (U_h^K)^T stacked (H r, d), B_k the B_h^K stacked (H d_h, r)."""
 
     def __init__(self, config, layer):
         super().__init__(config, layer)
@@ -198,10 +198,9 @@ class LowRankKVAttention(Attention):
         self.B_k = nn.Parameter(torch.empty(H * d_h, r))
         self.B_v = nn.Parameter(torch.empty(H * d_h, r))
 
-    def reset_parameters(self):  # B_h of std 0.1/sqrt(r), the paper's ||U_h B_h^T||_F ~ 0.1 ||W_shared||_F
-        for B in (getattr(self, "B_k", None), getattr(self, "B_v", None)):  # none if it reads another's keys
-            if B is not None:
-                nn.init.normal_(B, std=0.1 / math.sqrt(self.lrkv_rank))
+    def reset_parameters(self):  # B_h ~ N(0, 0.01 / r): U_h B_h^T about 0.1 W_shared in size, as the paper
+        for B_h in [getattr(self, n) for n in ("B_k", "B_v") if hasattr(self, n)]:  # --cla's readers: none
+            nn.init.normal_(B_h, std=0.1 / math.sqrt(self.lrkv_rank))
 
     def keys_values(self, x, rope):
         k_shared, v_shared = self.W_shared_k(x), self.W_shared_v(x)  # (B, T, d_h): X W_shared
@@ -212,8 +211,8 @@ class LowRankKVAttention(Attention):
     def residual_coords(self, U, x):  # every head's R_h = X U_h (U: U_k or U_v), (B, T, H, r)
         return U(x).view(*x.shape[:2], -1, self.lrkv_rank)
 
-    def residual(self, R, B):  # every head's R_h B_h^T (B: B_k or B_v), (B, S, H, r) -> (B, S, H, d_h)
-        return torch.einsum("bshr,hdr->bshd", R, B.view(self.n_head, self.head_dim, self.lrkv_rank))
+    def residual(self, R, B_h):  # every head's R_h B_h^T (B_h: B_k or B_v), (B, S, H, r) -> (B, S, H, d_h)
+        return torch.einsum("bshr,hdr->bshd", R, B_h.view(self.n_head, self.head_dim, self.lrkv_rank))
 
     def values(self, v_shared, r_v):  # every head's V_h = V_shared + R_h^V (B_h^V)^T: (B, S, H, d_h)
         return v_shared.unsqueeze(2) + self.residual(r_v, self.B_v)
@@ -250,7 +249,7 @@ class MultiHeadLatentAttention(Attention):
     so q/k heads are d_h + d_R wide, a query head [q_h^nope | q_h^R] with RoPE on its last d_R dims;
     the QK norm takes the whole concatenation, so a key's RMS is per head though k_R is shared."""
 
-    def __init__(self, config, layer):
+    def __init__(self, config, layer):  # q/k heads d_qk = d_h + d_R wide, RoPE on their last d_R dims
         super().__init__(config, layer, config.head_dim + config.rope_head_dim, config.rope_head_dim)
         self.kv_lora_rank, d, H, d_h = config.kv_lora_rank, config.n_embd, config.n_head, config.head_dim
         self.W_down = nn.Linear(d, self.kv_lora_rank, bias=False)
@@ -372,7 +371,7 @@ class GPT(nn.Module):
         keep, max_len = L - L // 2, min(L, idx.size(1) + max_new_tokens)  # the half kept; the longest context
         for _ in range(max_new_tokens):
             context = idx[:, -1:]
-            if cache is None or cache.pos == max_len:  # the prompt, or a new start from the last `keep`
+            if cache is None or cache.pos == max_len:  # the prompt, or (at L) again from the last `keep`
                 context = idx[:, -(L if cache is None else keep):]
                 cache = self.new_cache(idx.size(0), max_len)
             logits = self(context, cache=cache)[0][:, -1]
@@ -384,8 +383,8 @@ class GPT(nn.Module):
         if max_len > self.config.block_size:  # the RoPE table has block_size rows
             raise ValueError(f"a KV cache of {max_len} tokens exceeds block_size = {self.config.block_size}")
         cache_class = cache_class or (self.layout.cache_class if self.layout else KVCache)
-        weight = self.wte.weight
-        return cache_class(self, batch_size, max_len, dtype or weight.dtype, device or weight.device)
+        dtype, device = dtype or self.wte.weight.dtype, device or self.rope.device  # the model's by default
+        return cache_class(self, batch_size, max_len, dtype, device)
 
     def kv_cache_bytes(self, batch_size, seq_len, dtype=None, cache_class=None):
         """Bytes a decoding cache allocates, counted off the same cache built on the meta device."""
@@ -407,11 +406,11 @@ def sample(logits, temperature=1.0, top_k=None):
 
 class KVCache:
     """Decoding's memory, one for the whole model: every layer's entries of positions 0..pos-1 in buffers (B,
-    max_len, *shape), slot p position p; allocate, store and load alone touch them (quant.py's override)."""
+    max_len, *shape), slot p position p; allocate, store and load alone touch them (quant.py's override).
+    The plain path: every step rebuilds all keys and values (cached_keys_values); decode.py's steps don't."""
 
     def __init__(self, model, batch_size, max_len, dtype, device):
-        # dtypes[layer]: {name: the dtype its entries were computed in}; a buffer may hold another (bf16 under
-        # fp32) and load casts back: entries round once, when stored, and the math runs as uncached
+        # dtypes[layer]: {name: its entries' dtype}, which load casts back to from the buffer's (bf16, say)
         self.pos, self.max_len, self.batch_size, self.dtype, self.dtypes = 0, max_len, batch_size, dtype, {}
         self.rope = model.rope[:max_len].to(device)  # the RoPE rows of positions 0..max_len-1
         self.layers = [self.allocate(block.attn.cache_shapes(), self.length(block.attn.layer), device)
@@ -426,8 +425,8 @@ class KVCache:
 
     def store(self, layer, slots, entries):  # the layer's entries {name: (B, T, *shape)} into slots (T,)
         self.dtypes.setdefault(layer, {name: x.dtype for name, x in entries.items()})
-        for name, x in entries.items():
-            self.layers[layer][name][:, slots] = x.to(self.dtype)
+        for name, x in entries.items():  # in the buffer's dtype, allocate's choice
+            self.layers[layer][name][:, slots] = x.to(self.layers[layer][name].dtype)
 
     def load(self, layer, slots):  # the layer's entries {name: (B, S, *shape)} at slots, as computed
         return {name: buf[:, slots].to(self.dtypes[layer][name]) for name, buf in self.layers[layer].items()}
@@ -441,8 +440,9 @@ class KVCache:
         """attn's tokens x (B, T, d) at pos..pos+T-1 store their entries; their queries q (B, T, H, d_qk)
         attend over keys and values rebuilt from positions 0..pos+T-1, query pos + i seeing j <= pos + i."""
         T, end = x.size(1), self.pos + x.size(1)
-        self.store(attn.layer, slice(self.pos, end), attn.cache_entries(x, rope))
-        k, v = attn.cached_keys_values(self.rope[:end], **self.load(attn.layer, slice(0, end)))
+        self.store(attn.layer, slice(self.pos, end), attn.cache_entries(x, rope))  # rope: the T new rows
+        k, v = attn.cached_keys_values(self.rope[:end], **self.load(attn.layer, slice(0, end)))  # end rows
+        # query pos + i sees key j <= pos + i (tril's diagonal moved by pos); one token sees all: no mask
         mask = torch.ones(T, end, dtype=torch.bool).tril(self.pos) if self.pos and T > 1 else None
         return attn.attend(q, k, v, mask)
 

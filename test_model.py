@@ -375,9 +375,10 @@ def test_bad_configuration_raises(overrides, field):
 
 def python_files(root):
     """The repository's own Python files: none of a virtual environment, git, data or a run's output."""
-    skip = {".venv", ".git", "out", "data", "__pycache__"}
-    for folder, subfolders, names in os.walk(root):
-        subfolders[:] = [name for name in subfolders if name not in skip]
+    skip = {".git", "out", "data", "__pycache__"}
+    for folder, subfolders, names in os.walk(root):  # a virtual environment, by any name, has pyvenv.cfg
+        subfolders[:] = [name for name in subfolders
+                         if name not in skip and not Path(folder, name, "pyvenv.cfg").exists()]
         yield from (Path(folder, name) for name in sorted(names) if name.endswith(".py"))
 
 

@@ -1,8 +1,11 @@
 """The house's rules, checked on the code itself: imports run one way (scripts use lib/, lib/ uses
-model.py, model.py uses torch alone), with no circle anywhere and no module importing a script; and a
-checkpoint of any variant builds with nanoGPT's idiom, GPT(GPTConfig(**ckpt["model_args"]))."""
+model.py, model.py uses torch alone), with no circle anywhere and no module importing a script; a
+checkpoint of any variant builds with nanoGPT's idiom, GPT(GPTConfig(**ckpt["model_args"])), and
+decodes with its generate; and checkpoints of the code before the layers left model.py load as they
+were."""
 
 import ast
+import math
 import subprocess
 import sys
 from dataclasses import fields
@@ -13,6 +16,7 @@ import torch
 
 import sample
 import train
+from lib.attention.decode import generate
 from model import GPT, VARIANTS, GPTConfig
 from references import TINY
 from test_model import python_files
@@ -115,3 +119,24 @@ def test_a_checkpoint_of_any_variant_builds_with_nanogpts_idiom(cla, data_dir, t
         _, sampled = sample.load_checkpoint(out / "ckpt.pt", "cpu")
         with torch.no_grad():
             assert torch.equal(model(idx)[0], sampled(idx)[0]), attn
+        # nanoGPT's model.generate, its plain cache and loop, gives sample.py's greedy tokens (decode.py's
+        # generate through the exact steps), past the context (block_size 32) too
+        greedy = generate(sampled, idx, 40, temperature=0, vocab_size=256)
+        assert torch.equal(model.generate(idx, 40, temperature=0), greedy), attn
+
+
+def test_checkpoints_of_the_code_before_the_layers_load_with_their_logits():
+    """tests/fixtures/checkpoints-6e79e41.pt holds 27 tiny models written by commit 6e79e41's model.py, the
+    last with sharing and windows inside it: the nine variants, each plain, with --cla=2 and windows,
+    and with --yoco; their model_args, state_dict (names, shapes, float32 values) and float64 logits on
+    fixed tokens (made there by building each with torch.manual_seed(i), then .double()). Today's
+    GPT(GPTConfig(**model_args)) takes the state_dict key for key and gives the same logits."""
+    record = torch.load(REPO / "tests" / "fixtures" / "checkpoints-6e79e41.pt", weights_only=True)
+    assert len(record["runs"]) == 3 * len(VARIANTS)
+    for name, run in record["runs"].items():
+        model = GPT(GPTConfig(**run["model_args"])).double().eval()
+        sizes = [math.prod(shape) for _, shape in run["names"]]
+        values = run["flat"].double().split(sizes)
+        model.load_state_dict({key: v.view(shape) for (key, shape), v in zip(run["names"], values)})
+        with torch.no_grad():
+            torch.testing.assert_close(model(run["idx"])[0], run["logits"], rtol=0, atol=1e-12, msg=name)
