@@ -43,6 +43,8 @@ from pathlib import Path
 import torch
 
 # This repository's code, all of it that the export reads
+from lib.attention.heads import head_kv_weights
+from lib.attention.layout import kv_source, layer_window
 from lib.training.checkpoint import load_checkpoint
 from lib.training.configurator import ArgumentParser, ConfigError
 from lib.training.data import load_tokenizer
@@ -128,7 +130,6 @@ def check(path, tok, config, native, remote_code):
 def layout_flags(config):
     """The flags, as train.py takes them, by which some layer reads another's keys and values or has
     a window: [] where every layer computes its own and sees every position."""
-    from lib.attention.layout import kv_source, layer_window
     layers, flags = range(config.n_layer), []
     if any(kv_source(config, layer) != layer for layer in layers):
         flags += [f"--cla={config.cla}"] * (config.cla > 1) + ["--yoco"] * config.yoco
@@ -306,8 +307,11 @@ def native_weights(model):
     for i in range(c.n_layer):
         a, m = f"blocks.{i}.attn.", f"model.layers.{i}."
         theirs[m + "self_attn.q_proj.weight"] = ours.pop(a + "W_q.weight")
-        if c.attn == "lrkv":
-            k, v = lrkv_head_weights(ours, a, c)
+        if c.attn == "lrkv":  # every head's W_h = W_shared + U_h B_h^T, as heads.py composes it
+            with torch.no_grad():
+                k, v = (W.flatten(0, 1) for W in head_kv_weights(model.blocks[i].attn))  # (H d_h, d) each
+            for name in ("W_shared_k.weight", "W_shared_v.weight", "U_k.weight", "U_v.weight", "B_k", "B_v"):
+                ours.pop(a + name)
         else:
             k, v = ours.pop(a + "W_k.weight"), ours.pop(a + "W_v.weight")
         theirs[m + "self_attn.k_proj.weight"], theirs[m + "self_attn.v_proj.weight"] = k, v
@@ -317,20 +321,6 @@ def native_weights(model):
     if ours:
         raise ValueError(f"weights with no place in NanoChatForCausalLM: {', '.join(ours)}")
     return theirs
-
-
-def lrkv_head_weights(ours, prefix, c):
-    """An LRKV layer's key and value projections as MHA's, in nn.Linear's layout (H d_h, d): head h's
-    W_h = W_shared + U_h B_h^T, whose transpose is W_shared^T + B_h U_h^T. The layer's six weights
-    are taken out of ours."""
-    H, d_h, r = c.n_head, c.head_dim, c.lrkv_rank
-    heads = []
-    for kind in "kv":
-        W_shared = ours.pop(f"{prefix}W_shared_{kind}.weight")  # (d_h, d): W_shared^T
-        U = ours.pop(f"{prefix}U_{kind}.weight").view(H, r, -1)  # (H, r, d): the U_h^T
-        B = ours.pop(f"{prefix}B_{kind}").view(H, d_h, r)  # (H, d_h, r): the B_h
-        heads.append((W_shared + torch.einsum("hdr,hrc->hdc", B, U)).reshape(H * d_h, -1))  # (H d_h, d)
-    return heads
 
 
 # The tokenizer: the data's, as tokenizers' byte-level BPE. The remote code reads every sequence after

@@ -61,6 +61,11 @@ CACHE = "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_f
     else "past_key_values"
 
 
+def model_arg(field, less=0):
+    """An attribute of LRKVConfig read from model_args: model_args[field] - less (None with no model_args)."""
+    return property(lambda self: self.model_args[field] - less if self.model_args else None)
+
+
 class LRKVConfig(PreTrainedConfig):
     """model_args: the checkpoint's, GPTConfig's fields all; eot_id: the end-of-text token; variant: where
     the folder's file holds the attention class of a variant that model.VARIANTS does not name."""
@@ -96,27 +101,13 @@ class LRKVConfig(PreTrainedConfig):
             raise ValueError(f"config.json: eot_id={self.eot_id!r}: must be a token id below vocab_size")
         return config
 
-    # the names transformers and lm-evaluation-harness read
-    @property
-    def vocab_size(self):
-        return self.model_args["vocab_size"] if self.model_args else None
-
-    @property
-    def hidden_size(self):
-        return self.model_args["n_embd"] if self.model_args else None
-
-    @property
-    def num_hidden_layers(self):
-        return self.model_args["n_layer"] if self.model_args else None
-
-    @property
-    def num_attention_heads(self):
-        return self.model_args["n_head"] if self.model_args else None
-
-    @property
-    def max_position_embeddings(self):
-        """The tokens a sequence may hold: block_size, less the end-of-text it is read after."""
-        return self.model_args["block_size"] - 1 if self.model_args else None
+    # the names transformers and lm-evaluation-harness read; max_position_embeddings: the tokens a
+    # sequence may hold, block_size less the end-of-text it is read after
+    vocab_size = model_arg("vocab_size")
+    hidden_size = model_arg("n_embd")
+    num_hidden_layers = model_arg("n_layer")
+    num_attention_heads = model_arg("n_head")
+    max_position_embeddings = model_arg("block_size", less=1)
 
 
 class PaddedRingKVCache(RingKVCache):
@@ -153,11 +144,7 @@ class PaddedRingKVCache(RingKVCache):
         self.real = real
         self.positions = (real.long().cumsum(-1) - 1).clamp(min=0)  # (B, pos + T)
 
-    def next_rope(self, T):
-        if self.pos + T > self.max_len:
-            raise ValueError(f"a sequence holds at most {self.max_len - 1} tokens (block_size "
-                             f"{self.max_len}, one of them the end-of-text it is read after), "
-                             f"{self.pos + T - 1} were given")
+    def next_rope(self, T):  # LRKVModel.forward has refused a sequence past max_len
         return self.rope[self.positions[:, self.pos:self.pos + T]]  # (B, T, rope_dim)
 
     def read(self, attn, T):
@@ -285,12 +272,10 @@ class LRKVPreTrainedModel(PreTrainedModel):
         """transformers' from_pretrained, after checking that config.json describes model.safetensors'
         weights (a ValueError of one line naming the fields that shape the first that it does not)."""
         config = kwargs.get("config")
+        where = {k: kwargs[k] for k in ("revision", "cache_dir", "local_files_only", "token") if k in kwargs}
         if not isinstance(config, LRKVConfig):
-            config = LRKVConfig.from_pretrained(pretrained_model_name_or_path, **{
-                k: kwargs[k] for k in ("revision", "cache_dir", "local_files_only", "token") if k in kwargs})
-        weights = cached_file(pretrained_model_name_or_path, "model.safetensors",
-                              **{k: kwargs[k] for k in ("revision", "cache_dir", "local_files_only", "token")
-                                 if k in kwargs})
+            config = LRKVConfig.from_pretrained(pretrained_model_name_or_path, **where)
+        weights = cached_file(pretrained_model_name_or_path, "model.safetensors", **where)
         check_weights(config, weights)
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 

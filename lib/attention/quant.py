@@ -34,8 +34,10 @@ KEPT = ("rho",)  # entries stored as they are, in the cache's dtype (above)
 KEYS = ("k", "k_shared", "r_k", "k_rope", "a_k", "b_k")
 
 
-class Int8KVCache(RingKVCache):
-    """int8 entries with a scale per row (the last dim), rho as it is (module docstring)."""
+class QuantisedKVCache(RingKVCache):
+    """What both storages share: a KEPT entry held as it is, in the cache's dtype; every other one through
+    the subclass's allocate_entry (its buffers, {name: ..., name.scale: ...}), store_entry and load_entry
+    (fp32 values), cast back to the dtype it was computed in."""
 
     def allocate(self, shapes, length, device):
         buffers = {}
@@ -43,10 +45,7 @@ class Int8KVCache(RingKVCache):
             if name in KEPT:
                 buffers[name] = torch.zeros(self.batch_size, length, *shape, dtype=self.dtype, device=device)
             else:
-                B = self.batch_size
-                buffers[name] = torch.zeros(B, length, *shape, dtype=torch.int8, device=device)
-                buffers[f"{name}.scale"] = torch.zeros(B, length, *shape[:-1], 1, dtype=self.dtype,
-                                                       device=device)
+                buffers.update(self.allocate_entry(name, shape, length, device))
         return buffers
 
     def store(self, layer, slots, entries):
@@ -55,22 +54,34 @@ class Int8KVCache(RingKVCache):
         for name, x in entries.items():
             if name in KEPT:
                 buffers[name][:, slots] = x.to(self.dtype)
-                continue
-            x = x.float()
-            scale = (x.abs().amax(-1, keepdim=True) / 127).to(self.dtype)  # as stored
-            q = torch.round(x / scale.float().clamp(min=torch.finfo(torch.float32).tiny)).clamp(-127, 127)
-            buffers[name][:, slots] = q.to(torch.int8)
-            buffers[f"{name}.scale"][:, slots] = scale
+            else:
+                self.store_entry(layer, buffers, name, slots, x)
 
     def load(self, layer, slots):
         buffers, out = self.layers[layer], {}
         for name, dtype in self.dtypes[layer].items():
-            if name in KEPT:
-                out[name] = buffers[name][:, slots].to(dtype)
-            else:
-                scale = buffers[f"{name}.scale"][:, slots].float()
-                out[name] = (buffers[name][:, slots].float() * scale).to(dtype)
+            x = buffers[name][:, slots] if name in KEPT else self.load_entry(buffers, name, slots)
+            out[name] = x.to(dtype)
         return out
+
+
+class Int8KVCache(QuantisedKVCache):
+    """int8 entries with a scale per row (the last dim), rho as it is (module docstring)."""
+
+    def allocate_entry(self, name, shape, length, device):
+        B = self.batch_size
+        return {name: torch.zeros(B, length, *shape, dtype=torch.int8, device=device),
+                f"{name}.scale": torch.zeros(B, length, *shape[:-1], 1, dtype=self.dtype, device=device)}
+
+    def store_entry(self, layer, buffers, name, slots, x):
+        x = x.float()
+        scale = (x.abs().amax(-1, keepdim=True) / 127).to(self.dtype)  # as stored
+        q = torch.round(x / scale.float().clamp(min=torch.finfo(torch.float32).tiny)).clamp(-127, 127)
+        buffers[name][:, slots] = q.to(torch.int8)
+        buffers[f"{name}.scale"][:, slots] = scale
+
+    def load_entry(self, buffers, name, slots):
+        return buffers[name][:, slots].float() * buffers[f"{name}.scale"][:, slots].float()
 
 
 def int4_codes(x, low, scale):
@@ -100,7 +111,7 @@ def low_scale(x, dim, dtype):
     return low.to(dtype), ((high - low) / 15).to(dtype)
 
 
-class Int4KVCache(RingKVCache):
+class Int4KVCache(QuantisedKVCache):
     """int4 entries two to a byte (module docstring): a KEYS entry per channel over groups of G = `group`
     slots (all of them where fewer), the group being filled held in full precision in `{name}.residual`
     until it is full (or ends at the last slot), then quantised whole; every other entry per token, row
@@ -108,46 +119,32 @@ class Int4KVCache(RingKVCache):
 
     group = 64  # G: the slots a key group's scales cover (KIVI's 32 to 128)
 
-    def allocate(self, shapes, length, device):
-        B, G, buffers = self.batch_size, min(self.group, max(length, 1)), {}
-        for name, shape in shapes.items():
-            zeros = functools.partial(torch.zeros, dtype=self.dtype, device=device)
-            if name in KEPT:
-                buffers[name] = zeros(B, length, *shape)
-                continue
-            if shape[-1] % 2:
-                raise ValueError(f"an int4 cache packs two codes a byte: entry {name} is {shape[-1]} wide, "
-                                 "odd")
-            packed = (*shape[:-1], shape[-1] // 2)
-            if name in KEYS:  # per channel, over each group of G slots; the codes padded to whole groups
-                groups = -(-length // G)
-                buffers[name] = torch.zeros(B, groups * G, *packed, dtype=torch.uint8, device=device)
-                buffers[f"{name}.low"] = zeros(B, groups, *shape)
-                buffers[f"{name}.scale"] = zeros(B, groups, *shape)
-                buffers[f"{name}.residual"] = zeros(B, G, *shape)
-                # per row, the same: the first slot of the group being filled, and how many of its slots are
-                buffers[f"{name}.filling"] = torch.zeros(B, 2, dtype=torch.long, device=device)
-            else:  # per token, a row or two (token_rows)
-                rows = token_rows(shape)
-                buffers[name] = torch.zeros(B, length, *packed, dtype=torch.uint8, device=device)
-                buffers[f"{name}.low"] = zeros(B, length, *shape[:-len(rows)], *[1] * len(rows))
-                buffers[f"{name}.scale"] = zeros(B, length, *shape[:-len(rows)], *[1] * len(rows))
-        return buffers
+    def allocate_entry(self, name, shape, length, device):
+        if shape[-1] % 2:
+            raise ValueError(f"an int4 cache packs two codes a byte: entry {name} is {shape[-1]} wide, odd")
+        B, G, packed = self.batch_size, min(self.group, max(length, 1)), (*shape[:-1], shape[-1] // 2)
+        zeros = functools.partial(torch.zeros, dtype=self.dtype, device=device)
+        if name in KEYS:  # per channel, over each group of G slots; the codes padded to whole groups
+            groups = -(-length // G)
+            # filling, the same for every row: the group being filled's first slot, and its slots filled
+            return {name: torch.zeros(B, groups * G, *packed, dtype=torch.uint8, device=device),
+                    f"{name}.low": zeros(B, groups, *shape), f"{name}.scale": zeros(B, groups, *shape),
+                    f"{name}.residual": zeros(B, G, *shape),
+                    f"{name}.filling": torch.zeros(B, 2, dtype=torch.long, device=device)}
+        rows = token_rows(shape)  # per token, a row or two
+        per_token = (B, length, *shape[:-len(rows)], *[1] * len(rows))
+        return {name: torch.zeros(B, length, *packed, dtype=torch.uint8, device=device),
+                f"{name}.low": zeros(per_token), f"{name}.scale": zeros(per_token)}
 
-    def store(self, layer, slots, entries):
-        self.dtypes.setdefault(layer, {name: x.dtype for name, x in entries.items()})
-        buffers = self.layers[layer]
-        for name, x in entries.items():
-            if name in KEPT:
-                buffers[name][:, slots] = x.to(self.dtype)
-            elif name in KEYS:
-                slots = torch.as_tensor(slots, device=x.device).view(-1)
-                for t in range(x.size(1)):  # a slot at a time: each may fill a group
-                    self.store_key_slot(buffers, name, self.length(layer), slots[t:t + 1], x[:, t:t + 1])
-            else:
-                low, scale = low_scale(x.float(), token_rows(x.shape[2:]), self.dtype)
-                buffers[name][:, slots] = int4_codes(x.float(), low, scale)
-                buffers[f"{name}.low"][:, slots], buffers[f"{name}.scale"][:, slots] = low, scale
+    def store_entry(self, layer, buffers, name, slots, x):
+        if name in KEYS:
+            slots = torch.as_tensor(slots, device=x.device).view(-1)
+            for t in range(x.size(1)):  # a slot at a time: each may fill a group
+                self.store_key_slot(buffers, name, self.length(layer), slots[t:t + 1], x[:, t:t + 1])
+        else:
+            low, scale = low_scale(x.float(), token_rows(x.shape[2:]), self.dtype)
+            buffers[name][:, slots] = int4_codes(x.float(), low, scale)
+            buffers[f"{name}.low"][:, slots], buffers[f"{name}.scale"][:, slots] = low, scale
 
     def store_key_slot(self, buffers, name, length, slot, x):
         """One slot (a (1,) tensor) of a key entry, x (B, 1, *shape): into the residual and, where it fills
@@ -171,27 +168,22 @@ class Int4KVCache(RingKVCache):
         data[:, group_slots] = torch.where(full_here, int4_codes(values, low, scale), data[:, group_slots])
         filling[:, 0], filling[:, 1] = start, torch.where(full, torch.zeros_like(index), index + 1)
 
-    def load(self, layer, slots):
-        buffers, out = self.layers[layer], {}
-        index = torch.arange(self.length(layer), device=self.rope.device)[slots]  # (S,): the slots read
-        for name, dtype in self.dtypes[layer].items():
-            if name in KEPT:
-                out[name] = buffers[name][:, index].to(dtype)
-            elif name in KEYS:
-                residual = buffers[f"{name}.residual"]
-                groups = index // residual.size(1)
-                values = int4_values(buffers[name][:, index], buffers[f"{name}.low"][:, groups],
-                                     buffers[f"{name}.scale"][:, groups])
-                # the slots of the group being filled are the residual's, in full precision
-                start, filled = buffers[f"{name}.filling"][0, 0], buffers[f"{name}.filling"][0, 1]
-                fresh = ((index >= start) & (index < start + filled)).view(1, -1, *[1] * (values.dim() - 2))
-                within = (index - start).clamp(0, residual.size(1) - 1)  # (S,): its place in the residual
-                values = torch.where(fresh, residual[:, within].float(), values)
-                out[name] = values.to(dtype)
-            else:
-                out[name] = int4_values(buffers[name][:, index], buffers[f"{name}.low"][:, index],
-                                        buffers[f"{name}.scale"][:, index]).to(dtype)
-        return out
+    def load(self, layer, slots):  # the slots as an index (S,), for the groups' arithmetic
+        return super().load(layer, torch.arange(self.length(layer), device=self.rope.device)[slots])
+
+    def load_entry(self, buffers, name, index):
+        if name not in KEYS:
+            return int4_values(buffers[name][:, index], buffers[f"{name}.low"][:, index],
+                               buffers[f"{name}.scale"][:, index])
+        residual = buffers[f"{name}.residual"]
+        groups = index // residual.size(1)
+        values = int4_values(buffers[name][:, index], buffers[f"{name}.low"][:, groups],
+                             buffers[f"{name}.scale"][:, groups])
+        # the slots of the group being filled are the residual's, in full precision
+        start, filled = buffers[f"{name}.filling"][0, 0], buffers[f"{name}.filling"][0, 1]
+        fresh = ((index >= start) & (index < start + filled)).view(1, -1, *[1] * (values.dim() - 2))
+        within = (index - start).clamp(0, residual.size(1) - 1)  # (S,): its place in the residual
+        return torch.where(fresh, residual[:, within].float(), values)
 
 
 CACHES = {"none": RingKVCache, "int8": Int8KVCache, "int4": Int4KVCache}
