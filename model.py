@@ -1,7 +1,6 @@
-"""One GPT, five ways to attend, MHA, GQA, MQA, MLA and LRKV (Low-Rank Key-Value attention), on the paper's
-128M backbone (nanochat's: RoPE, weightless RMSNorm before each sublayer and on queries and keys, ReLU^2
-MLP, untied embeddings, no biases); README's notation names the symbols. Training, then decoding
-(generate, KVCache). It imports torch alone; what is not the paper is a layer in lib/attention/."""
+"""One GPT, five ways to attend: MHA, GQA, MQA, MLA and LRKV (Low-Rank Key-Value attention), on the paper's
+128M backbone (nanochat's: RoPE, weightless RMSNorm on the embeddings, before each sublayer and on queries
+and keys, ReLU^2 MLP, untied embeddings, no biases). Training, then decoding; symbols: README's notation."""
 
 import importlib
 import math
@@ -39,35 +38,8 @@ class GPTConfig:
     mlra_latent_heads: int = 4
     mlra_latent_dim: int = 128
 
-    def __post_init__(self):
-        """The one check of a model's fields (a flag's, a checkpoint's, a config.json's), which a reader of
-        the model may skip: a ValueError of one line naming the first field that cannot make the model."""
-        H, d_h, span = self.n_head, self.head_dim, f"from 1 to block_size = {self.block_size}, or None"
-        kinds = {bool: "true or false", str: "a string", float: "a number", int: "a positive integer"}
-        for field in fields(self):  # first its type
-            value, kind = getattr(self, field.name), field.type
-            if kind == int | None and value is None:  # window: None, else an int as the others
-                continue
-            ok = {bool: type(value) is bool, str: type(value) is str, float: type(value) in (int, float)}
-            if not ok.get(kind, type(value) is int and value >= 1):  # every other field an int >= 1
-                self.reject(field.name, kinds.get(kind, span))
-        for field, ok, allowed in (
-                ("attn", self.attn in VARIANTS, "one of " + ", ".join(VARIANTS)),
-                ("head_dim", d_h % 2 == 0, "even (RoPE rotates pairs of dimensions)"),
-                ("rope_theta", 1 < self.rope_theta < math.inf, "a finite number > 1 (RoPE's theta^(-2i/d))"),
-                ("n_embd", self.n_embd == H * d_h, f"n_head * head_dim = {H} * {d_h}"),
-                ("cla", self.n_layer % self.cla == 0, f"a divisor of n_layer = {self.n_layer}"),
-                ("n_layer", not self.yoco or self.n_layer % 2 == 0, "even with --yoco (its two halves)"),
-                ("window", (self.window or 1) <= self.block_size, span),
-                ("window_pattern", self.window_pattern and not set(self.window_pattern) - set("SL"),
-                 "letters S (a layer sees its last --window positions) and L (all)"),
-                ("n_kv_head", self.attn != "gqa" or H % self.n_kv_head == 0, f"a divisor of n_head = {H}"),
-                ("lrkv_rank", self.attn != "lrkv" or self.lrkv_rank <= d_h, f"from 1 to head_dim = {d_h}"),
-                ("rope_head_dim", self.attn != "mla" or self.rope_head_dim in range(2, d_h + 1, 2),
-                 f"even, from 2 to head_dim = {d_h}")):
-            if not ok:
-                self.reject(field, allowed)
-        getattr(attention_class(self.attn), "check", lambda config: None)(self)  # a rival's own knobs
+    def __post_init__(self):  # every field checked (check_config, at the file's end, which a reader may skip)
+        check_config(self)
 
     def reject(self, field, allowed):
         raise ValueError(f"--{field}={getattr(self, field)!r}: must be {allowed}")
@@ -78,42 +50,43 @@ def norm(x):
 
 
 def rms(x):
-    """norm's divisor sqrt(mean(x^2) + eps), (...,) for x (..., D), in fp32 even for bf16 x, as F.rms_norm."""
+    """norm's divisor sqrt(mean(x^2) + eps), (...,) of x (..., D), computed in fp32 as F.rms_norm does."""
     x_hi = x.to(torch.promote_types(x.dtype, torch.float32))
     return x_hi.pow(2).mean(-1).add(torch.finfo(x_hi.dtype).eps).sqrt().to(x.dtype)
 
 
 def rope_table(dim, max_len, theta):
-    """(max_len, dim): row s is [cos(s theta_i) | sin(s theta_i)], for the dim / 2 frequencies theta_i."""
+    """(max_len, dim): row s is [cos(s theta_i) | sin(s theta_i)], theta_i = theta^(-2i/dim), i < dim / 2."""
     inv_freq = theta ** (-torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
     return torch.cat((angles.cos(), angles.sin()), dim=-1)
 
 
 def apply_rope(x, rope):
-    """RoPE on x (B, T, heads, D), by its token's row of rope (T, rope_dim), or (B, T, rope_dim) for rows
-    of their own: of x's last rope_dim dims, each pair i, i' = i + rope_dim/2 becomes (x_i cos + x_i' sin,
-    x_i' cos - x_i sin), cos and sin of s theta_i at the token's position s; the first D - rope_dim pass."""
-    cos, sin = rope.unsqueeze(-2).to(x.dtype).chunk(2, dim=-1)  # (T, 1, half) each, or (B, T, 1, half)
-    x_pass, x1, x2 = x.split((x.size(-1) - 2 * cos.size(-1), cos.size(-1), cos.size(-1)), dim=-1)
+    """RoPE on x (B, T, heads, D) by rope's rows (T, rope_dim), one per token (ring.py's (B, T, rope_dim):
+    each sequence its own): x's last rope_dim dims are two halves x1, x2, and each pair (x1_i, x2_i) turns by
+    -s theta_i, s the token's position (nanochat's sign; scores see relative positions alone, either way)."""
+    half = rope.size(-1) // 2
+    cos, sin = rope.unsqueeze(-2).to(x.dtype).chunk(2, dim=-1)  # (T, 1, half) each: the same for every head
+    x_pass, x1, x2 = x.split((x.size(-1) - 2 * half, half, half), dim=-1)  # the first D - rope_dim dims pass
     return torch.cat((x_pass, x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
 
 
 class Attention(nn.Module):
-    """H query heads q_h = Rot(norm(x W_h^Q)), causal softmax attention and W_o: what every variant shares. A
-    variant defines keys_values(x, rope), keys (B, T, G, d_qk) and values (B, T, G, d_v) of G heads, and
-    cache_shapes (below); README: Adding a variant. Every parameter is a matrix (Muon's)."""
+    """What every variant shares: H query heads q_h = Rot(norm(x W_h^Q)), causal softmax attention, W_o. A
+    variant defines keys_values(x, rope): keys (B, T, G, d_qk), values (B, T, G, d_v = d_h) of its G heads."""
 
     def __init__(self, config, layer, qk_dim=None, rope_dim=None):
         super().__init__()
         self.layer, self.n_head, self.head_dim = layer, config.n_head, config.head_dim
         self.qk_dim = qk_dim or config.head_dim  # d_qk: a query or key head's width
-        self.rope_dim = rope_dim or config.head_dim  # RoPE turns a q/k head's last rope_dim: rope's width
+        self.rope_dim = rope_dim or config.head_dim  # the last dims of a q/k head that RoPE turns (MLA: d_R)
         self.W_q = nn.Linear(config.n_embd, config.n_head * self.qk_dim, bias=False)
         self.W_o = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=False)
 
     def forward(self, x, rope, memory=None):
-        """x (B, T, d), rope its rows; memory None (training): causal over its keys; else memory.attend."""
+        """x (B, T, d), rope its rows. memory: None in training (causal over its own keys), else a KVCache
+        (decoding) or a layout's (layout.py: --cla, --yoco, --window), whose attend finds the keys."""
         q = self.queries(x, rope)  # (B, T, H, d_qk)
         y = self.attend(q, *self.keys_values(x, rope)) if memory is None else memory.attend(self, q, x, rope)
         return self.W_o(y.flatten(2))
@@ -124,16 +97,17 @@ class Attention(nn.Module):
 
     def attend(self, q, k, v, mask=None):
         """softmax(q k^T / sqrt(d_qk)) v of q (B, T, H, d_qk), k (B, S, G, d_qk), v (B, S, G, d_v), head h
-        reading head h G // H, where mask (T, S) allows. None: one query sees all, or T = S causally (SDPA
-        aligns its causal mask at the top left: a chunk after a cached prefix comes with its own mask)."""
+        reading head h G // H, where mask (T, S) allows; with no mask, causal (T = S), or one query sees all
+        (a chunk after a cached prefix comes with its own mask: KVCache.attend)."""
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask.to(q.device),
                                            is_causal=mask is None and q.size(2) > 1,
                                            enable_gqa=k.size(1) != q.size(1))
         return y.transpose(1, 2)  # (B, T, H, d_v)
 
-    # Decoding: cache_shapes() {name: shape}, a token's cache entries; cache_entries {name: (B, T, *shape)}
-    # (k and v by default); cached_keys_values, keys_values' keys and values rebuilt from S positions' entries
+    # Decoding (KVCache.attend). A variant's cache_shapes(): {name: shape}, what a token leaves in the cache;
+    # cache_entries(x, rope): the T new tokens' entries {name: (B, T, *shape)}, rope their T rows (by default
+    # k and v); cached_keys_values(rope, **entries): keys and values rebuilt from S positions, rope S rows.
 
     def cache_entries(self, x, rope):
         k, v = self.keys_values(x, rope)
@@ -144,13 +118,12 @@ class Attention(nn.Module):
 
 
 class GroupedQueryAttention(Attention):
-    """GQA: G = config.n_kv_head key/value heads K_g = X W_g^K, V_g = X W_g^V, query head h reading
-    g = h G // H; MHA (G = H) and MQA (G = 1) change kv_heads alone. It caches K and V: 2 G d_h numbers."""
-    kv_heads = staticmethod(lambda config: config.n_kv_head)  # G
+    """GQA: G = config.n_kv_head key/value heads k_g = Rot(norm(X W_g^K)), v_g = X W_g^V, query head h
+    reading g = h G // H; MHA (G = H) and MQA (G = 1) pass their G. It caches K and V: 2 G d_h numbers."""
 
-    def __init__(self, config, layer):
+    def __init__(self, config, layer, n_kv_head=None):
         super().__init__(config, layer)
-        self.n_kv_head = self.kv_heads(config)
+        self.n_kv_head = n_kv_head or config.n_kv_head  # G
         self.W_k = nn.Linear(config.n_embd, self.n_kv_head * config.head_dim, bias=False)
         self.W_v = nn.Linear(config.n_embd, self.n_kv_head * config.head_dim, bias=False)
 
@@ -165,12 +138,14 @@ class GroupedQueryAttention(Attention):
 
 class MultiHeadAttention(GroupedQueryAttention):
     """Standard MHA: every query head has a key/value head of its own (G = H)."""
-    kv_heads = staticmethod(lambda config: config.n_head)
+    def __init__(self, config, layer):
+        super().__init__(config, layer, n_kv_head=config.n_head)
 
 
 class MultiQueryAttention(GroupedQueryAttention):
     """MQA: one key/value head shared by all query heads (G = 1)."""
-    kv_heads = staticmethod(lambda config: 1)
+    def __init__(self, config, layer):
+        super().__init__(config, layer, n_kv_head=1)
 
 
 class LowRankKVAttention(Attention):
@@ -184,23 +159,23 @@ class LowRankKVAttention(Attention):
         K_h = X W_shared^K + (X U_h^K)(B_h^K)^T = K_shared + R_h^K (B_h^K)^T
 
     and V_h likewise. Training builds every K_h and V_h and attends as MHA, k_h = Rot(norm(K_h)). r = d_h
-    gives every head MHA's capacity; with no residual it is MQA. Weights (keys'; values' alike): W_shared_k
-    holds (W_shared^K)^T (d_h, d), U_k the (U_h^K)^T stacked (H r, d), B_k the B_h^K stacked (H d_h, r)."""
+    gives every head MHA's capacity; with no residual it is MQA."""
 
     def __init__(self, config, layer):
         super().__init__(config, layer)
         d, H, d_h, r = config.n_embd, config.n_head, config.head_dim, config.lrkv_rank
         self.lrkv_rank = r
-        self.W_shared_k = nn.Linear(d, d_h, bias=False)
+        self.W_shared_k = nn.Linear(d, d_h, bias=False)  # weight (d_h, d): (W_shared^K)^T
         self.W_shared_v = nn.Linear(d, d_h, bias=False)
-        self.U_k = nn.Linear(d, H * r, bias=False)
+        self.U_k = nn.Linear(d, H * r, bias=False)  # weight (H r, d): the (U_h^K)^T stacked, head after head
         self.U_v = nn.Linear(d, H * r, bias=False)
-        self.B_k = nn.Parameter(torch.empty(H * d_h, r))
-        self.B_v = nn.Parameter(torch.empty(H * d_h, r))
+        self.B_k = nn.Parameter(torch.zeros(H * d_h, r))  # (H d_h, r): the B_h^K stacked (drawn below)
+        self.B_v = nn.Parameter(torch.zeros(H * d_h, r))
 
-    def reset_parameters(self):  # B_h ~ N(0, 0.01 / r): U_h B_h^T about 0.1 W_shared in size, as the paper
-        for B_h in [getattr(self, n) for n in ("B_k", "B_v") if hasattr(self, n)]:  # --cla's readers: none
-            nn.init.normal_(B_h, std=0.1 / math.sqrt(self.lrkv_rank))
+    def reset_parameters(self):  # std 0.1 / sqrt(r); U, W_shared of variance 1/d: U_h B_h^T ~ 0.1 W_shared
+        for name in ("B_k", "B_v"):
+            if hasattr(self, name):  # layout.py removes them from a layer that reads another's keys (--cla)
+                nn.init.normal_(getattr(self, name), std=0.1 / math.sqrt(self.lrkv_rank))
 
     def keys_values(self, x, rope):
         k_shared, v_shared = self.W_shared_k(x), self.W_shared_v(x)  # (B, T, d_h): X W_shared
@@ -211,16 +186,16 @@ class LowRankKVAttention(Attention):
     def residual_coords(self, U, x):  # every head's R_h = X U_h (U: U_k or U_v), (B, T, H, r)
         return U(x).view(*x.shape[:2], -1, self.lrkv_rank)
 
-    def residual(self, R, B_h):  # every head's R_h B_h^T (B_h: B_k or B_v), (B, S, H, r) -> (B, S, H, d_h)
-        return torch.einsum("bshr,hdr->bshd", R, B_h.view(self.n_head, self.head_dim, self.lrkv_rank))
+    def residual(self, R, B_heads):  # every head's R_h B_h^T (B_heads: B_k or B_v): (B, S, H, r) -> d_h
+        return torch.einsum("bshr,hdr->bshd", R, B_heads.view(self.n_head, self.head_dim, self.lrkv_rank))
 
     def values(self, v_shared, r_v):  # every head's V_h = V_shared + R_h^V (B_h^V)^T: (B, S, H, d_h)
         return v_shared.unsqueeze(2) + self.residual(r_v, self.B_v)
 
-    # Decoding. The cache holds the paper's 2 d_h + 2 H r numbers per token and each head's key RMS rho_h
-    # (+0.7% at 128M). RoPE can turn K_shared before caching, not the r-wide R_h^K: each head's residual
-    # turns once B_h^K brings it to d_h dims. As RoPE keeps the RMS, Rot_s(norm(K_h)) = (Rot_s K_shared +
-    # Rot_s(R_h^K (B_h^K)^T)) / rho_h: keys rebuilds it so; decode.py's step (eq. 6, 7) reads rho_h alone.
+    # Decoding. The cache holds the paper's 2 d_h + 2 H r numbers (K_shared turned by RoPE, R_h^K, V_shared,
+    # R_h^V) and each head's key RMS rho_h (+0.7% at 128M: decode.py's step needs it, never forming k_h).
+    # RoPE turns d_h-wide vectors, so R_h^K is turned only once B_h^K widens it; as RoPE is linear,
+    #     k_h = Rot_s(norm(K_h)) = (Rot_s K_shared + Rot_s(R_h^K (B_h^K)^T)) / rho_h    (up to rounding)
 
     def cache_shapes(self):
         H, d_h, r = self.n_head, self.head_dim, self.lrkv_rank
@@ -236,13 +211,14 @@ class LowRankKVAttention(Attention):
         return self.keys(k_shared, r_k, rho, rope), self.values(v_shared, r_v)
 
     def keys(self, k_shared, r_k, rho, rope):  # every head's key as training's k_h, (B, S, H, d_h)
-        return (k_shared.unsqueeze(2) + apply_rope(self.residual(r_k, self.B_k), rope)) / rho.unsqueeze(-1)
+        k_residual = apply_rope(self.residual(r_k, self.B_k), rope)  # Rot_s(R_h^K (B_h^K)^T)
+        return (k_shared.unsqueeze(2) + k_residual) / rho.unsqueeze(-1)
 
 
 class MultiHeadLatentAttention(Attention):
-    """MLA as DeepSeek-V2: keys and values come up per head, through W_up, from a normalised latent
-    c = norm(x W_down) of width d_c; one decoupled RoPE key k_R = x W_kr of width d_R, shared by all
-    heads, carries position:
+    """MLA after DeepSeek-V2 (its queries full-rank here): keys and values come up per head, through W_up,
+    from a normalised latent c = norm(x W_down) of width d_c; one decoupled RoPE key k_R = x W_kr of width
+    d_R, shared by all heads, carries position:
 
         k_h = norm([c W_up,h^K | Rot(k_R)])        v_h = c W_up,h^V
 
@@ -250,7 +226,8 @@ class MultiHeadLatentAttention(Attention):
     the QK norm takes the whole concatenation, so a key's RMS is per head though k_R is shared."""
 
     def __init__(self, config, layer):  # q/k heads d_qk = d_h + d_R wide, RoPE on their last d_R dims
-        super().__init__(config, layer, config.head_dim + config.rope_head_dim, config.rope_head_dim)
+        super().__init__(config, layer, qk_dim=config.head_dim + config.rope_head_dim,
+                         rope_dim=config.rope_head_dim)
         self.kv_lora_rank, d, H, d_h = config.kv_lora_rank, config.n_embd, config.n_head, config.head_dim
         self.W_down = nn.Linear(d, self.kv_lora_rank, bias=False)
         self.W_up_k = nn.Linear(self.kv_lora_rank, H * d_h, bias=False)
@@ -260,21 +237,20 @@ class MultiHeadLatentAttention(Attention):
     def keys_values(self, x, rope):
         c = norm(self.W_down(x))  # (B, T, d_c)
         k = self.keys(c, apply_rope(self.W_kr(x).unsqueeze(2), rope))  # (B, T, H, d_h + d_R)
-        return norm(k), self.values(c)  # norm after RoPE is the queries' RoPE after norm: RoPE keeps the RMS
+        # keys are normed after k_R turns, queries before turning: the same, as a rotation keeps the RMS
+        return norm(k), self.values(c)
 
     def keys(self, c, k_rope):  # every head's key before the QK norm, [c W_up,h^K | k_R]: (B, S, H, d_qk)
-        B, S = c.shape[:2]
-        k_nope = self.W_up_k(c).view(B, S, self.n_head, self.head_dim)
-        return torch.cat((k_nope, k_rope.expand(B, S, self.n_head, self.rope_dim)), dim=-1)
+        k_nope = self.W_up_k(c).view(*c.shape[:2], self.n_head, self.head_dim)
+        return torch.cat((k_nope, k_rope.expand(*k_nope.shape[:3], self.rope_dim)), dim=-1)
 
     def values(self, c):  # every head's value c W_up,h^V: (B, S, d_c) -> (B, S, H, d_h)
         return self.W_up_v(c).view(*c.shape[:2], self.n_head, self.head_dim)
 
-    def attend(self, q, k, v, mask=None):
-        # flash attention needs one head dim for q, k and v: v is zero-padded, the zero outputs dropped
+    def attend(self, q, k, v, mask=None):  # flash wants one head dim: v zero-padded, its zero outputs cut
         return super().attend(q, k, F.pad(v, (0, self.rope_dim)), mask)[..., :self.head_dim]
 
-    # Decoding. The cache holds c, the rotated k_R and each head's key RMS (+3.1% at 128M: decode.py's step)
+    # Decoding. The cache holds c, the turned k_R and each head's key RMS (+3.1% at 128M: decode.py's step)
 
     def cache_shapes(self):
         return {"c": (self.kv_lora_rank,), "k_rope": (1, self.rope_dim), "rho": (self.n_head,)}
@@ -284,12 +260,11 @@ class MultiHeadLatentAttention(Attention):
         k_rope = apply_rope(self.W_kr(x).unsqueeze(2), rope)  # (B, T, 1, d_R)
         return {"c": c, "k_rope": k_rope, "rho": rms(self.keys(c, k_rope))}
 
-    def cached_keys_values(self, rope, c, k_rope, rho):
+    def cached_keys_values(self, rope, c, k_rope, rho):  # k_R was turned as it was stored: rope unused
         return self.keys(c, k_rope) / rho.unsqueeze(-1), self.values(c)
 
 
-# Every variant by its --attn name, a rival by its path under LIB, imported when a model of it is built
-LIB = "lib.attention."
+LIB = "lib.attention."  # the layers' package; VARIANTS names a rival by its path under it
 VARIANTS = {"mha": MultiHeadAttention, "mqa": MultiQueryAttention, "gqa": GroupedQueryAttention,
             "mla": MultiHeadLatentAttention, "lrkv": LowRankKVAttention,
             "gta": LIB + "rivals.GroupedTiedAttention", "gla": LIB + "rivals.GroupedLatentAttention",
@@ -297,8 +272,10 @@ VARIANTS = {"mha": MultiHeadAttention, "mqa": MultiQueryAttention, "gqa": Groupe
 
 
 def attention_class(name):
-    module, _, class_name = VARIANTS[name].rpartition(".") if isinstance(VARIANTS[name], str) else ("",) * 3
-    return getattr(importlib.import_module(module, __package__), class_name) if module else VARIANTS[name]
+    if not isinstance(VARIANTS[name], str):
+        return VARIANTS[name]
+    module, class_name = VARIANTS[name].rsplit(".", 1)  # a rival's module is imported the first time
+    return getattr(importlib.import_module(module, __package__), class_name)
 
 
 class Block(nn.Module):
@@ -320,7 +297,7 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layer))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        rope = rope_table(self.blocks[0].attn.rope_dim, config.block_size, config.rope_theta)  # every layer's
+        rope = rope_table(self.blocks[0].attn.rope_dim, config.block_size, config.rope_theta)  # MLA: d_R
         self.register_buffer("rope", rope, persistent=False)
         self.layout = None  # shared keys (--cla, --yoco) and windows (--window): lib/attention/layout.py
         if config.cla > 1 or config.yoco or config.window is not None:
@@ -349,7 +326,7 @@ class GPT(nn.Module):
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than block_size = {self.config.block_size}")
         rope = self.rope[:T] if cache is None else cache.next_rope(T)  # the RoPE rows of idx's positions
-        memory = cache if cache is not None else self.layout.memory() if self.layout else None  # None: plain
+        memory = self.layout.memory() if cache is None and self.layout else cache  # None: training, no layout
         x = norm(self.wte(idx))
         for block in self.blocks:
             x = block(x, rope, memory)
@@ -365,17 +342,17 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
-        """Decoding, nanoGPT's: idx (B, T) and max_new_tokens more, each sampled from the last one's logits
-        through the cache; past L tokens, again from the last half (decode.py's stream: caches, steps)."""
-        L, cache = self.config.block_size, None
-        keep, max_len = L - L // 2, min(L, idx.size(1) + max_new_tokens)  # the half kept; the longest context
+        """nanoGPT's call, through a cache: idx (B, T) and max_new_tokens more, each sampled from the last
+        one's logits. The prompt (its last L = block_size) fills a cache, then each step adds one token; past
+        L, a new cache from the last L - L // 2 tokens (nanoGPT slides L tokens: samples past L differ)."""
+        L, max_len = self.config.block_size, min(self.config.block_size, idx.size(1) + max_new_tokens)
+        cache, context = self.new_cache(idx.size(0), max_len), idx[:, -L:]  # first, the prompt
         for _ in range(max_new_tokens):
-            context = idx[:, -1:]
-            if cache is None or cache.pos == max_len:  # the prompt, or (at L) again from the last `keep`
-                context = idx[:, -(L if cache is None else keep):]
-                cache = self.new_cache(idx.size(0), max_len)
-            logits = self(context, cache=cache)[0][:, -1]
+            if cache.pos == L:  # full: a new cache from the last L - L // 2 tokens
+                cache, context = self.new_cache(idx.size(0), max_len), idx[:, -(L - L // 2):]
+            logits = self(context, cache=cache)[0][:, -1]  # (B, vocab) at the last position
             idx = torch.cat((idx, sample(logits, temperature, top_k)), dim=1)
+            context = idx[:, -1:]  # then one token a step
         return idx
 
     def new_cache(self, batch_size, max_len, dtype=None, device=None, cache_class=None):
@@ -386,15 +363,13 @@ class GPT(nn.Module):
         dtype, device = dtype or self.wte.weight.dtype, device or self.rope.device  # the model's by default
         return cache_class(self, batch_size, max_len, dtype, device)
 
-    def kv_cache_bytes(self, batch_size, seq_len, dtype=None, cache_class=None):
-        """Bytes a decoding cache allocates, counted off the same cache built on the meta device."""
+    def kv_cache_bytes(self, batch_size, seq_len, dtype=None, cache_class=None):  # counted on the meta device
         cache = self.new_cache(batch_size, seq_len, dtype, "meta", cache_class)
         return sum(buf.nbytes for layer in cache.layers for buf in layer.values())
 
 
 def sample(logits, temperature=1.0, top_k=None):
-    """A token (B, 1) from logits (B, vocab): the largest at temperature 0, else from softmax(logits / t) over
-    the top_k largest, in fp32, from the largest down (a tiny t is greedy, not nan)."""
+    """A token (B, 1) from logits (B, vocab): argmax at t = 0, else fp32 softmax(logits / t) of the top_k."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = (logits.float() - logits.float().amax(-1, keepdim=True)) / max(temperature, torch.finfo().tiny)
@@ -405,13 +380,12 @@ def sample(logits, temperature=1.0, top_k=None):
 
 
 class KVCache:
-    """Decoding's memory, one for the whole model: every layer's entries of positions 0..pos-1 in buffers (B,
-    max_len, *shape), slot p position p; allocate, store and load alone touch them (quant.py's override).
-    The plain path: every step rebuilds all keys and values (cached_keys_values); decode.py's steps don't."""
+    """Decoding's memory, one for the whole model: each layer's entries of positions 0..pos-1 in buffers (B,
+    max_len, *shape), slot p position p; only allocate, store and load use them (quant.py's override)."""
 
     def __init__(self, model, batch_size, max_len, dtype, device):
-        # dtypes[layer]: {name: its entries' dtype}, which load casts back to from the buffer's (bf16, say)
-        self.pos, self.max_len, self.batch_size, self.dtype, self.dtypes = 0, max_len, batch_size, dtype, {}
+        self.pos, self.max_len, self.batch_size, self.dtype = 0, max_len, batch_size, dtype
+        self.dtypes = {}  # {layer: {name: dtype}}: load casts back what buffers hold lower (quant.py: int8)
         self.rope = model.rope[:max_len].to(device)  # the RoPE rows of positions 0..max_len-1
         self.layers = [self.allocate(block.attn.cache_shapes(), self.length(block.attn.layer), device)
                        for block in model.blocks]
@@ -442,9 +416,35 @@ class KVCache:
         T, end = x.size(1), self.pos + x.size(1)
         self.store(attn.layer, slice(self.pos, end), attn.cache_entries(x, rope))  # rope: the T new rows
         k, v = attn.cached_keys_values(self.rope[:end], **self.load(attn.layer, slice(0, end)))  # end rows
-        # query pos + i sees key j <= pos + i (tril's diagonal moved by pos); one token sees all: no mask
-        mask = torch.ones(T, end, dtype=torch.bool).tril(self.pos) if self.pos and T > 1 else None
+        chunk = self.pos > 0 and T > 1  # query pos + i sees key j <= pos + i: tril's diagonal moved by pos
+        mask = torch.ones(T, end, dtype=torch.bool, device=q.device).tril(self.pos) if chunk else None
         return attn.attend(q, k, v, mask)
 
-    def advance(self, T):
+    def advance(self, T):  # after the last layer (GPT.forward): all layers of a forward see the same pos
         self.pos += T
+
+
+def check_config(config):
+    """Every field, a flag's or a checkpoint's: a ValueError of one line naming the first that cannot be."""
+    H, d_h, span = config.n_head, config.head_dim, f"from 1 to block_size = {config.block_size}, or None"
+    kinds = {bool: "true or false", str: "a string", float: "a number", int: "a positive integer"}
+    for field in fields(config):  # first its type: every int field >= 1 (window: or None)
+        value, kind = getattr(config, field.name), field.type
+        ok = {bool: type(value) is bool, str: type(value) is str, float: type(value) in (int, float),
+              int | None: value is None or type(value) is int and value >= 1}
+        if not ok.get(kind, type(value) is int and value >= 1):
+            config.reject(field.name, kinds.get(kind, span))
+    for field, ok, allowed in (
+            ("attn", config.attn in VARIANTS, "one of " + ", ".join(VARIANTS)),
+            ("head_dim", d_h % 2 == 0, "even (RoPE rotates pairs of dimensions)"),
+            ("rope_theta", 1 < config.rope_theta < math.inf, "a finite number > 1 (RoPE's theta^(-2i/d))"),
+            ("n_embd", config.n_embd == H * d_h, f"n_head * head_dim = {H} * {d_h}"),
+            ("n_kv_head", config.attn != "gqa" or H % config.n_kv_head == 0, f"a divisor of n_head = {H}"),
+            ("lrkv_rank", config.attn != "lrkv" or config.lrkv_rank <= d_h, f"from 1 to head_dim = {d_h}"),
+            ("rope_head_dim", config.attn != "mla" or config.rope_head_dim in range(2, d_h + 1, 2),
+             f"even, from 2 to head_dim = {d_h}")):
+        if not ok:
+            config.reject(field, allowed)
+    getattr(attention_class(config.attn), "check", lambda config: None)(config)  # a rival's own knobs
+    if config.cla > 1 or config.yoco or config.window is not None:  # a layout's (lib/attention/layout.py)
+        importlib.import_module(LIB + "layout", __package__).check(config)

@@ -10,15 +10,30 @@ sees, a layer on top of model.py's attention, for every variant.
                  the layers, the last layer always L) see their last W positions, the L layers all.
 
 A window is its reader's own: an L layer may read an S layer's keys, whose cache then keeps every
-position. GPT builds a Layout where the config asks for one (GPTConfig's cla, yoco, window). The Layout
-turns the config into plain per-layer facts, kv_source and windows; takes the key and value weights of
-the layers that read another's; gives training a LayoutMemory (model.py's Attention.forward calls its
-attend); and gives decoding ring.py's RingKVCache, which reads the same facts.
+position. GPTConfig has check refuse fields that cannot make a layout; GPT builds a Layout where the
+config asks for one (GPTConfig's cla, yoco, window). The Layout turns the config into plain per-layer
+facts, kv_source and windows; takes the key and value weights of the layers that read another's; gives
+training a LayoutMemory (model.py's Attention.forward calls its attend); and gives decoding ring.py's
+RingKVCache, which reads the same facts.
 """
 
 import torch
 
 from lib.attention.ring import RingKVCache, visible
+
+
+def check(config):
+    """A layout's own fields, which GPTConfig checks here where the config asks for a layout (each knob's
+    type and sign it checks itself): a ValueError of one line naming the first that cannot make the model."""
+    L = config.block_size
+    for field, ok, allowed in (
+            ("cla", config.n_layer % config.cla == 0, f"a divisor of n_layer = {config.n_layer}"),
+            ("n_layer", not config.yoco or config.n_layer % 2 == 0, "even with --yoco (its two halves)"),
+            ("window", (config.window or 1) <= L, f"from 1 to block_size = {L}"),
+            ("window_pattern", config.window_pattern and not set(config.window_pattern) - set("SL"),
+             "letters S (a layer sees its last --window positions) and L (all)")):
+        if not ok:
+            config.reject(field, allowed)
 
 
 def kv_source(config, layer):
