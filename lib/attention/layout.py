@@ -23,8 +23,8 @@ from lib.attention.ring import RingKVCache, visible
 
 
 def check(config):
-    """A layout's own fields, which GPTConfig checks here where the config asks for a layout (each knob's
-    type and sign it checks itself): a ValueError of one line naming the first that cannot make the model."""
+    """A ValueError of one line naming the first of the layout's fields that cannot make the model. GPTConfig
+    calls it where the config asks for a layout, after checking each field's type and sign itself."""
     L = config.block_size
     for field, ok, allowed in (
             ("cla", config.n_layer % config.cla == 0, f"a divisor of n_layer = {config.n_layer}"),
@@ -74,6 +74,8 @@ class Layout:
         self.shared = {owner for layer, owner in enumerate(self.kv_source) if owner != layer}
         for layer, block in enumerate(model.blocks):
             if self.kv_source[layer] != layer:  # it reads another's keys: it keeps its queries' weights, W_o
+                # (W_q, or a variant's query_weights, as TPA's factors); its key and value weights go (MHA's
+                # W_k, W_v; LRKV's W_shared_k ... B_v; MLA's W_down, W_up_k, W_up_v, W_kr)
                 keep = {*getattr(block.attn, "query_weights", ("W_q",)), "W_o"}
                 for name, _ in [*block.attn.named_children(), *block.attn.named_parameters(recurse=False)]:
                     if name not in keep:
@@ -98,7 +100,8 @@ class LayoutMemory:
             k, v = attn.keys_values(x, rope)
             if layer in self.layout.shared:
                 self.kvs[layer] = k, v
-        else:
+        else:  # an owner comes before its readers (kv_source[layer] <= layer): it ran in this forward
             k, v = self.kvs[owner]
         window, positions = self.layout.windows[layer], torch.arange(x.size(1))
-        return attn.attend(q, k, v, None if window is None else visible(positions, positions, window))
+        mask = None if window is None else visible(positions, positions, window)  # (T, T), True: j seen by i
+        return attn.attend(q, k, v, mask)
