@@ -102,6 +102,6 @@ class LayoutMemory:
                 self.kvs[layer] = k, v
         else:  # an owner comes before its readers (kv_source[layer] <= layer): it ran in this forward
             k, v = self.kvs[owner]
-        window, positions = self.layout.windows[layer], torch.arange(x.size(1))
+        window, positions = self.layout.windows[layer], torch.arange(x.size(1), device=x.device)
         mask = None if window is None else visible(positions, positions, window)  # (T, T), True: j seen by i
         return attn.attend(q, k, v, mask)
