@@ -1,10 +1,11 @@
-"""Four attention variants of the kind a reader adds, defined only for the tests (tests/test_variant.py
+"""Five attention variants of the kind a reader adds, defined only for the tests (tests/test_variant.py
 registers them under --attn names and puts their steps, conversions and head maps in the tables): each
 written as a variant of one's own would be, in a file that imports only torch and model.py, so that
 export_hf.py carries it into an exported folder as it is."""
 
 from dataclasses import replace
 
+import torch
 import torch.nn as nn
 
 from model import GroupedQueryAttention, LowRankKVAttention, apply_rope, norm, rms
@@ -105,3 +106,28 @@ class GroupedLowRankKVAttention(LowRankKVAttention):
     def cache_shapes(self):
         residuals = (self.n_groups, self.lrkv_rank)
         return {**super().cache_shapes(), "r_k": residuals, "r_v": residuals}
+
+
+class ScaledSoftmaxAttention(LowRankKVAttention):
+    """LRKV whose heads each have a learned temperature tau_h, times 1 + layer / 4, in their softmax:
+
+        softmax(tau_h (1 + layer / 4) q_h k_h^T / sqrt(d_h))
+
+    an attend of its own, whose parameter tau (one number a head, no matrix) belongs to the queries'
+    side: a layer that reads another's keys (--cla, --yoco) keeps it (query_weights), and the factor
+    1 + layer / 4 makes a reader's softmax differ from its owner's. LRKV's single-token step, which
+    it inherits, knows nothing of tau: decoding must use this attend instead."""
+
+    query_weights = ("W_q", "tau")
+
+    def __init__(self, config, layer):
+        super().__init__(config, layer)
+        self.tau = nn.Parameter(torch.ones(config.n_head))
+
+    def reset_parameters(self):
+        super().reset_parameters()
+        nn.init.uniform_(self.tau, 0.5, 2.0)
+
+    def attend(self, q, k, v, mask=None):
+        scale = self.tau * (1 + self.layer / 4)  # (H,)
+        return super().attend(q * scale.view(-1, 1).to(q.dtype), k, v, mask)
