@@ -127,14 +127,16 @@ def test_a_repeated_cache_continues_one_prompt_several_ways(attn):
 
 @pytest.mark.parametrize("attn", VARIANTS)
 def test_cla_layers_hold_queries_alone_and_cache_nothing(attn):
-    """--cla=2: the second layer of each pair keeps W_o and its queries' weights, and nothing else
-    (no key or value weights), and caches nothing: the model caches what its first layers cache at
-    --cla=1, to the byte, counted off the buffers."""
+    """--cla=2: the second layer of each pair keeps W_o, its queries' weights and its attend's (a
+    variant's attend_weights), and nothing else (no key or value weights), and caches nothing: the model
+    caches what its first layers cache at --cla=1, to the byte, counted off the buffers."""
     model, shared = tiny_model(attn, n_layer=4), tiny_model(attn, n_layer=4, cla=2)
     for layer, (block, block_cla) in enumerate(zip(model.blocks, shared.blocks)):
         names = {name for name, _ in block_cla.attn.named_parameters()}
         if layer % 2:
-            assert names == {f"{w}.weight" for w in (*getattr(block.attn, "query_weights", ["W_q"]), "W_o")}
+            plain = block.attn
+            kept = {*getattr(plain, "query_weights", ["W_q"]), *getattr(plain, "attend_weights", []), "W_o"}
+            assert names == {name for name, _ in plain.named_parameters() if name.split(".")[0] in kept}
         else:
             assert names == {name for name, _ in block.attn.named_parameters()}
     cache = shared.new_cache(1, 8)
@@ -327,9 +329,14 @@ def test_head_qk_grams_are_the_pair_products_of_each_variants_head_maps(attn):
     """What diversity.py reads of a layer, head_qk_grams, is (Q_i^T Q_j, K_i^T K_j) for the maps Q_h
     and K_h that make head h's query and key from x before the QK norm and RoPE: read off the
     Reference's head_keys on the basis of x's space (and head_key_weights maps x to them), or, for a
-    variant with queries of its own (TPA), its heads' lifted maps."""
+    variant with queries of its own (TPA), its heads' lifted maps. A variant without head maps (its
+    Reference's head_keys None) is refused in one line."""
     model = tiny_model(attn).double()
     layer, c = model.blocks[1].attn, model.config
+    if REFERENCES[attn].head_keys is None:
+        with pytest.raises(ValueError, match="^[^\n]*$"):
+            heads.head_qk_grams(layer, diversity.pair_products)
+        return
     with torch.no_grad():
         if REFERENCES[attn].queries is None:
             basis = torch.eye(c.n_embd, dtype=torch.float64)

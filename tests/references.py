@@ -63,9 +63,6 @@ class Reference:
     # the paper's per-head keys and values, in float64, and how many of each key's last dims RoPE rotates;
     # optionally a fourth item, {"scale": s}, for heads that attend to several key/value pairs apart (MLRA's
     # latent heads): keys[h] and values[h] are then lists, one softmax each, their outputs summed times s
-    head_keys: Callable  # (layer, x (N, d), c) -> (N, H, d_qk): per-head keys from its own projections
-    # before the QK norm and RoPE (the class's head_key_weights must match them); for a variant whose
-    # heads are no linear maps of x (its own head_qk_grams), (layer, None, c) -> its heads' lifted maps
     params: Callable  # (c, layer) -> (key/value parameters besides W_q, W_o and the MLP, d_qk): a variant
     # without W_q counts its query parameters here too; a third entry, where a variant has one, is its
     # multiply-adds of q k^T and a v per head and key (default d_qk + d_h)
@@ -75,8 +72,14 @@ class Reference:
     key_weights: tuple  # the weights that make its keys: scaled down, keys far below bf16's eps
     key_builder: Callable  # layer -> (object, method name, count): where it builds per-head keys, count
     # (the call's arguments) -> the positions a call builds keys for, None where it builds something else
+    head_keys: Callable = None  # (layer, x (N, d), c) -> (N, H, d_qk): per-head keys from its own projections
+    # before the QK norm and RoPE (the class's head_key_weights must match them); for a variant whose
+    # heads are no linear maps of x (its own head_qk_grams), (layer, None, c) -> its heads' lifted maps;
+    # None for a variant that heads.py gives no maps of
     queries: Callable = None  # (layer, x (1, T, d) float64, c) -> H queries (T, d_qk) before the QK norm
     # and RoPE, for a variant without W_q (TPA); None: x W_h^Q
+    score_scale: Callable = None  # (layer, h) -> the factor on head h's scores q k^T / sqrt(d_qk) in that
+    # layer, for a variant with a softmax of its own (tests/variants.py's ScaledSoftmaxAttention); None: 1
 
 
 class References(dict):
@@ -408,7 +411,7 @@ def naive_attention(attn, x, config, shared=None, window=None):
         head = 0
         for key, value in zip(keys[h], values[h]):
             k = naive_rope(rms(key), positions, rot_dim, config.rope_theta)
-            scores = q @ k.t() / math.sqrt(qk_dim)
+            scores = q @ k.t() / math.sqrt(qk_dim) * (reference.score_scale or (lambda *_: 1))(attn, h)
             i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
             hidden = (j > i) | (i - j >= window if window is not None else False)
             scores = scores.masked_fill(hidden, float("-inf"))

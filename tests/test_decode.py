@@ -41,7 +41,8 @@ def test_every_registered_step_equals_its_plain_reference_at_every_step(attn, cl
     arguments of every step of a decode, and so does each optimised piece it calls (a function of
     decode.py with a `<name>_reference` beside it: LRKV's key_scores and attend_values, MLA's
     latent_attention). A variant with no registered step has nothing to compare. With --cla=2 the
-    second layer's queries run the first layer's step over its cache entries."""
+    second layer's queries run the first layer's step over its cache entries, but where its attend reads
+    weights of its own (attend_weights), which the first layer's step would not see: then its attend."""
     model = tiny_model(attn, block_size=64, cla=cla)
     step = decode.registered_step(model.blocks[0].attn)
     compared = []
@@ -63,7 +64,9 @@ def test_every_registered_step_equals_its_plain_reference_at_every_step(attn, cl
     idx = torch.randint(0, TINY.vocab_size, (2, 40))
     with torch.no_grad():
         exact_steps(model, idx, 8)
-    assert compared.count("step") == (0 if step is None else 32 * TINY.n_layer), \
+    readers = TINY.n_layer - TINY.n_layer // cla  # the layers that read another's keys
+    stepping = TINY.n_layer - (readers if getattr(model.blocks[0].attn, "attend_weights", ()) else 0)
+    assert compared.count("step") == (0 if step is None else 32 * stepping), \
         f"--attn={attn}: its registered step ran {compared.count('step')} times in 32 steps of 2 layers"
 
 
@@ -122,17 +125,31 @@ def test_greedy_generation_through_exact_steps_is_the_uncached_argmax_loop(attn)
     assert torch.equal(generate(shared, prompt, n, temperature=0, step=exact_step), expected)
 
 
-def test_a_subclass_inherits_its_parents_step_unless_it_registers_its_own(monkeypatch):
+def test_a_subclass_inherits_its_parents_step_unless_it_registers_its_own_or_attends_otherwise(monkeypatch):
+    """A subclass that attends or rebuilds keys its own way computes what its parent's step does not:
+    it decodes through its own attend (no step) until it registers a step of its own."""
     class Inheriting(LowRankKVAttention):
         pass
 
     class Plain(LowRankKVAttention):
         pass
 
+    class OwnAttend(LowRankKVAttention):
+        def attend(self, q, k, v, mask=None):
+            return super().attend(2 * q, k, v, mask)
+
+    class OwnKeys(LowRankKVAttention):
+        def cached_keys_values(self, rope, **cached):
+            return super().cached_keys_values(rope, **cached)
+
     monkeypatch.setitem(decode.STEPS, Plain, None)
     config = TINY.__class__(**{**vars(TINY), "attn": "lrkv"})
     assert decode.registered_step(Inheriting(config, 0)) is decode.lrkv_step
     assert decode.registered_step(Plain(config, 0)) is None
+    assert decode.registered_step(OwnAttend(config, 0)) is None
+    assert decode.registered_step(OwnKeys(config, 0)) is None
+    monkeypatch.setitem(decode.STEPS, OwnAttend, decode.lrkv_step)
+    assert decode.registered_step(OwnAttend(config, 0)) is decode.lrkv_step
 
 
 @pytest.mark.parametrize("cla", [1, 2])

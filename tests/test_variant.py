@@ -3,15 +3,17 @@
   instead of in contiguous groups;
 - LRK, LRKV's keys with one value that every head shares, as MQA's;
 - LRKV whose rank differs from layer to layer;
-- grouped LRKV, one residual for each group of H/G heads, every head its own B_h.
-The last three subclass LowRankKVAttention. Each goes through every test of test_model.py,
+- grouped LRKV, one residual for each group of H/G heads, every head its own B_h;
+- LRKV with a softmax of its own: a learned temperature per head, times 1 + layer / 4, in its attend.
+The last four subclass LowRankKVAttention. Each goes through every test of test_model.py,
 test_decode.py, test_convert.py and test_window.py that runs on every variant, with a Reference as
-tests/references.py's REFERENCES hold them; the interleaved one also through train.py (a run and
-its resume), analyze.py and bench.py, the per-layer one through train.py and analyze.py. Each gives
-what README's "Adding a variant" asks: its key (and value) weights as methods of its class, its
-single-token step in decode.py's STEPS (or LRKV's, inherited), its conversion in convert.py's
-table, its legend in lib/evaluation/runs.py's; the fixture `variant` puts each in model.VARIANTS,
-and the others in their tables, for one test."""
+tests/references.py's REFERENCES hold them (so the softmax of its own through every decoding path and
+layout); the interleaved one also through train.py (a run and its resume), analyze.py and bench.py,
+the per-layer one and the scaled one through train.py and analyze.py. Each gives what README's "Adding
+a variant" asks: its key (and value) weights as methods of its class, its single-token step in
+decode.py's STEPS (or LRKV's, inherited), its conversion in convert.py's table (or none: refused),
+its legend in lib/evaluation/runs.py's; the fixture `variant` puts each in model.VARIANTS, and the
+others in their tables, for one test."""
 
 import inspect
 import itertools
@@ -34,9 +36,10 @@ from lib.attention.heads import HEAD_KV_WEIGHTS
 from lib.attention.ring import masked_softmax
 import model
 from variants import (GroupedLowRankKVAttention, InterleavedGroupedQueryAttention, LowRankKeyAttention,
-                      PerLayerRankAttention, layer_rank)
+                      PerLayerRankAttention, ScaledSoftmaxAttention, layer_rank)
 from references import KEY_RMS_MIB, Reference
 from test_train import data_dir, flags  # noqa: F401 (data_dir is a fixture)
+from lib.training.recipe import TrainConfig, configure_optimizers
 from tools import bench
 
 
@@ -106,6 +109,14 @@ def load_grouped_lrkv_head_kv_weights(attn, W_K, W_V, C=None):
         U.weight.copy_((P.mT @ D).flatten(0, 1))  # (G r, d)
         factor.copy_(P.flatten(0, 1))  # (H d_h, r)
 
+
+
+def scaled_softmax_step(attn, q, cached, rope, mask):
+    """LRKV's exact step on the queries scaled as ScaledSoftmaxAttention's attend scales them: tau_h
+    (1 + layer / 4) q_h . k_h is (tau_h (1 + layer / 4) q_h) . k_h. attn is the layer that wrote the
+    entries, whose tau this reads: decode.py never runs it for a reader of another layer's keys."""
+    scale = attn.tau * (1 + attn.layer / 4)  # (H,)
+    return decode.lrkv_step(attn, q * scale.view(-1, 1).to(q.dtype), cached, rope, mask)
 
 
 def grouped_lrkv_keys_values(attn, x, config):
@@ -181,6 +192,18 @@ VARIANTS = {
         key_weights=("W_shared_k", "U_k"), key_builder=references.lrkv_key_builder),
         (lambda config, peers: f"Grouped LRKV (r={config.lrkv_rank}, {config.n_kv_head} groups)",
          lambda config: config.lrkv_rank)),
+    "lrkv_scaled": (ScaledSoftmaxAttention, Reference(
+        keys_values=references.lrkv_keys_values, head_keys=references.lrkv_head_keys,
+        # LRKV's, and tau: one number a head
+        params=lambda c, layer: (
+            2 * c.n_embd * c.head_dim + 2 * c.n_head * c.lrkv_rank * (c.n_embd + c.head_dim) + c.n_head,
+            c.head_dim),
+        paper_cache_mib=37.875, decoder_extra_mib=KEY_RMS_MIB,
+        cache_elements=lambda c, layer: 2 * c.head_dim + 2 * c.n_head * c.lrkv_rank + c.n_head,
+        key_weights=("W_shared_k", "U_k"), key_builder=references.lrkv_key_builder,
+        score_scale=lambda attn, h: attn.tau[h].item() * (1 + attn.layer / 4)),
+        (lambda config, peers: f"Scaled-softmax LRKV (r={config.lrkv_rank})",
+         lambda config: config.lrkv_rank)),
 }
 
 
@@ -192,10 +215,13 @@ def variant(request, monkeypatch):
     # the steps, conversions and head maps of the variants above that have their own, in decode.py's,
     # convert.py's and heads.py's tables
     own = ((LowRankKeyAttention, lrk_step, load_lrk_head_kv_weights),
-           (GroupedLowRankKVAttention, grouped_lrkv_step, load_grouped_lrkv_head_kv_weights))
+           (GroupedLowRankKVAttention, grouped_lrkv_step, load_grouped_lrkv_head_kv_weights),
+           (PerLayerRankAttention, None, convert.load_lrkv_head_kv_weights))  # LRKV's step, inherited
     for cls, step, load in own:
-        monkeypatch.setitem(decode.STEPS, cls, step)
+        if step is not None:
+            monkeypatch.setitem(decode.STEPS, cls, step)
         monkeypatch.setitem(convert.LOAD_HEAD_KV_WEIGHTS, cls, load)
+    monkeypatch.setitem(decode.STEPS, ScaledSoftmaxAttention, scaled_softmax_step)  # no conversion: refused
     for cls, maps in ((InterleavedGroupedQueryAttention, interleaved_head_kv_weights),
                       (LowRankKeyAttention, lrk_head_kv_weights),
                       (GroupedLowRankKVAttention, grouped_lrkv_head_kv_weights)):
@@ -270,3 +296,31 @@ def test_a_per_layer_rank_trains_and_is_analysed_with_every_layers_cache(variant
     elements = result["kv_cache_elements_per_token"]
     assert result["kv_cache_fraction"] == pytest.approx(elements / (3 * 2 * 4 * 8))
     assert len(result["effective_rank"]) == 3 and result["label"] == "LRKV (r=3 x layer)"
+
+
+@pytest.mark.parametrize("variant", ["lrkv_scaled"], indirect=True)
+def test_a_variants_own_vector_trains_under_adamw_and_stays_in_every_layer_with_cla(variant, data_dir,
+                                                                                    tmp_path):
+    """tau, one number a head and no matrix, is AdamW's at --adamw_lr (Muon takes matrices alone), and a
+    layer that reads another's keys keeps its own (attend_weights): train.py trains it with --cla=2, each
+    layer's tau staying where the seed drew it at --adamw_lr=0 and moving at the default, and analyze.py
+    reads the run."""
+    small = dict(attn=variant, n_head=4, head_dim=8, lrkv_rank=2, n_layer=2, cla=2, max_steps=3,
+                 eval_interval=3)
+    taus = {}
+    for adamw_lr in (0, TrainConfig.adamw_lr):
+        run = tmp_path / f"out-{adamw_lr}" / variant
+        assert train.main(flags(data_dir=data_dir, out_dir=run, adamw_lr=adamw_lr, **small)) == 0
+        ckpt = torch.load(run / "ckpt.pt", weights_only=True)
+        taus[adamw_lr] = [ckpt["model"][f"blocks.{layer}.attn.tau"] for layer in range(2)]
+    torch.manual_seed(ckpt["config"]["seed"])  # the weights train.py drew
+    built = model.GPT(model.GPTConfig(**ckpt["model_args"]))
+    drawn = [block.attn.tau.detach() for block in built.blocks]
+    assert all(map(torch.equal, taus[0], drawn))
+    assert not any(map(torch.equal, taus[TrainConfig.adamw_lr], drawn))
+    optimizers = configure_optimizers(built, TrainConfig())
+    muon_params = optimizers[0].param_groups[0]["params"]
+    assert all(p.ndim == 2 for p in muon_params) and not {id(t) for t in drawn} & {id(p) for p in muon_params}
+    analyze.main([str(run / "ckpt.pt"), "--out_dir", str(tmp_path / "figures")])
+    [result] = json.loads((tmp_path / "figures" / "analysis.json").read_text())["runs"]
+    assert result["label"] == "Scaled-softmax LRKV (r=2) + CLA2"

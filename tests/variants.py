@@ -113,12 +113,12 @@ class ScaledSoftmaxAttention(LowRankKVAttention):
 
         softmax(tau_h (1 + layer / 4) q_h k_h^T / sqrt(d_h))
 
-    an attend of its own, whose parameter tau (one number a head, no matrix) belongs to the queries'
-    side: a layer that reads another's keys (--cla, --yoco) keeps it (query_weights), and the factor
-    1 + layer / 4 makes a reader's softmax differ from its owner's. LRKV's single-token step, which
-    it inherits, knows nothing of tau: decoding must use this attend instead."""
+    an attend of its own, whose parameter tau (one number a head, no matrix: AdamW's, not Muon's) a
+    layer that reads another's keys (--cla, --yoco) keeps as its own (attend_weights), and the factor
+    1 + layer / 4 makes a reader's softmax differ from its owner's. LRKV's single-token step, which a
+    subclass would inherit, knows nothing of tau: test_variant.py registers scaled_softmax_step."""
 
-    query_weights = ("W_q", "tau")
+    attend_weights = ("tau",)
 
     def __init__(self, config, layer):
         super().__init__(config, layer)

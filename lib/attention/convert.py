@@ -4,10 +4,11 @@ variant, calibrated on the inputs its attention sees, and optionally distilled f
 
 Every layer converts in two steps: the source's H per-head key and value projections, (W_K, W_V) =
 heads.head_kv_weights(attn) (lib/attention/heads.py; a variant without per-head projections, MLA, is
-refused in one line), and LOAD_HEAD_KV_WEIGHTS[cls](attn, W_K, W_V, C), registered here by the target's class
-(a subclass inherits its parent's, looked up along the MRO), which builds its keys and values closest
-to them; a variant without one is refused in one line. Everything else carries over as it is:
-embeddings, queries, output projections and MLPs. docs/convert.md has the results.
+refused in one line), and LOAD_HEAD_KV_WEIGHTS[cls](attn, W_K, W_V, C), registered here by the target's
+class itself, which builds its keys and values closest to them; a variant without one is refused in one
+line. A subclass registers its own (its parent's, where that is right for it): one with another attention
+rule would otherwise be built by its parent's conversion, silently wrong. Everything else carries over as
+it is: embeddings, queries, output projections and MLPs. docs/convert.md has the results.
 """
 
 from pathlib import Path
@@ -17,9 +18,10 @@ import torch.nn.functional as F
 
 from lib.training.checkpoint import load_checkpoint
 from lib.training.configurator import ConfigError
-from lib.attention.heads import head_kv_weights, registered
+from lib.attention.heads import head_kv_weights
 from lib.attention.layout import key_layers
-from model import GPT, GroupedQueryAttention, LowRankKVAttention, MultiHeadLatentAttention
+from model import (GPT, GroupedQueryAttention, LowRankKVAttention, MultiHeadAttention,
+                   MultiHeadLatentAttention, MultiQueryAttention)
 
 # train.py --init_from's default calibration (its --calibration_tokens), which analyze.py's
 # rank_energy.png sees the heads through too: 65,536 tokens are 32 of the paper's 2048-token
@@ -34,7 +36,7 @@ def load_head_kv_weights(attn, name, W_K, W_V, C=None):
     inputs x this layer's attention sees (uncentred: the projections have no bias), which makes
     "close" mean close on those inputs: an error E of a head's projection costs
     E||E x||^2 = ||E C^(1/2)||_F^2 there. A variant uses C where it changes its answer."""
-    load = registered(LOAD_HEAD_KV_WEIGHTS, attn)
+    load = LOAD_HEAD_KV_WEIGHTS.get(type(attn))  # the class's own: never a parent's
     if load is None:
         raise ValueError(f"--attn={name} cannot be built from per-head key and value projections")
     load(attn, W_K, W_V, C)
@@ -113,8 +115,11 @@ def refuse_mla(attn, W_K, W_V, C=None):
                      "leaves alone, and per-head keys rotate every dim (docs/convert.md)")
 
 
-# Each target variant's conversion, by class; MLA's is a refusal that says why
+# Each target variant's conversion, by its very class (MHA and MQA are GQA's with G = H and 1); MLA's is
+# a refusal that says why
 LOAD_HEAD_KV_WEIGHTS = {GroupedQueryAttention: load_grouped_head_kv_weights,
+                        MultiHeadAttention: load_grouped_head_kv_weights,
+                        MultiQueryAttention: load_grouped_head_kv_weights,
                         LowRankKVAttention: load_lrkv_head_kv_weights, MultiHeadLatentAttention: refuse_mla}
 
 

@@ -14,9 +14,13 @@ of q (B, 1, H, d_qk) the new token's normalised, rotated query; cached {name: (B
 position's cache entries, the new token's included; rope (S, rope_dim) their RoPE rows; mask None (all
 S visible) or (1, S) bool, the positions the token may see. The step returns the attention output
 (B, 1, H, d_v), before W_o, and must equal reference_step, the plain equation, which the tests check at
-every step of a decode. A subclass inherits its parent's step (looked up along the MRO); a variant
-with no step (MHA, GQA, MQA: their cache holds the keys and values themselves) decodes by the plain
-path. A layer that reads another's keys (layout.py) runs the step of their owner, which wrote them.
+every step of a decode. A subclass inherits its parent's step (looked up along the MRO) while it attends
+and rebuilds keys as that parent does (the same attend and cached_keys_values): a class with an attend
+of its own decodes through that attend unless it registers a step of its own. A variant with no step
+(MHA, GQA, MQA: their cache holds the keys and values themselves) decodes by the plain path. A layer
+that reads another's keys (layout.py) runs its own class's step over the entries its owner wrote,
+with the owner's weights, which made them; where its attend reads weights of the reader's own
+(attend_weights, which the owner's copy of would differ), through its own attend instead.
 
 Two caches run the steps, each a view over a ring.RingKVCache (any layout, any storage: quant.py) whose
 write and read it uses, so that both see the buffers and positions the cache holds: ExactKVCache
@@ -30,7 +34,6 @@ import math
 import torch
 
 from lib.attention import rivals
-from lib.attention.heads import registered
 from lib.attention.ring import RingKVCache, masked_softmax, slot_positions, visible
 from model import LowRankKVAttention, MultiHeadLatentAttention, sample
 
@@ -100,26 +103,39 @@ def teacher_forced(model, idx, cache_class=RingKVCache, dtype=None):
 # The steps, and the plain equation they equal
 
 def registered_step(attn):
-    """attn's single-token step (STEPS, at the end of this file): its class's, or the nearest
-    parent's; None if none."""
-    return registered(STEPS, attn)
+    """attn's single-token step (STEPS, at the end of this file): its class's, or the nearest parent's
+    while attn's class attends and rebuilds keys and values as that parent does (a class that
+    overrides attend or cached_keys_values computes what the parent's step knows nothing of); None
+    if none."""
+    for cls in type(attn).__mro__:
+        if cls in STEPS:
+            same = all(getattr(type(attn), name) is getattr(cls, name)
+                       for name in ("attend", "cached_keys_values"))
+            return STEPS[cls] if same else None
+    return None
 
 
-def reference_step(attn, q, cached, rope, mask):
-    """What every single-token step computes, by the plain equation: every cached position's keys
-    and values rebuilt (the variant's cached_keys_values), then softmax(q_h . k_{h,s} / sqrt(d_qk)) over
-    the positions that mask allows, applied to the values: (B, 1, H, d_v). A variant's registered
-    reference instead, where it has one."""
-    own = registered(REFERENCE_STEPS, attn)
-    if own is not None:
-        return own(attn, q, cached, rope, mask)
+def step_for(reader, source):
+    """The step that decodes reader's query over the entries that source wrote (source is reader but
+    under --cla and --yoco): reader's registered step, called with source's weights, unless the reader's
+    attend reads weights of its own (attend_weights), which source's would stand in for; None: the plain
+    equation (reference_step, or the cache's plain path)."""
+    if reader is not source and getattr(reader, "attend_weights", ()):
+        return None
+    return registered_step(reader)
+
+
+def reference_step(attn, q, cached, rope, mask, reader=None):
+    """What every single-token step computes, by the plain equation: every cached position's keys and
+    values rebuilt by attn, the layer whose weights made the entries (its cached_keys_values), then the
+    reading layer's own attend (reader's; attn's where None), training's, over the positions that mask
+    allows: (B, 1, H, d_v). A position the mask hides has its keys and values zeroed first: an empty slot
+    of a fixed-shape cache may rebuild to 0 / 0 (a cached key RMS of 0), which would spread through
+    the softmax."""
     k, v = attn.cached_keys_values(rope, **cached)  # (B, S, G, d_qk), (B, S, G, d_v)
-    B, _, H, d_qk = q.shape
-    G, S = k.size(2), k.size(1)
-    q = q[:, 0].view(B, G, H // G, d_qk)  # query head g H/G + j reads key/value head g
-    scores = torch.einsum("bgjd,bsgd->bgjs", q, k).reshape(B, H, S) / math.sqrt(d_qk)
-    a = masked_softmax(scores, mask, q.dtype).view(B, G, H // G, S)
-    return torch.einsum("bgjs,bsgd->bgjd", a, v).reshape(B, 1, H, -1)
+    if mask is not None:
+        k, v = (t.masked_fill(~mask[0].view(1, -1, *[1] * (t.dim() - 2)), 0) for t in (k, v))
+    return (reader or attn).attend(q, k, v, mask)
 
 
 # -----------------------------------------------------------------------------
@@ -287,7 +303,7 @@ class ExactKVCache:
 
     def attend(self, attn, q, x, rope):
         cache = self.cache
-        step = registered_step(cache.sources[cache.kv_source[attn.layer]])
+        step = step_for(attn, cache.sources[cache.kv_source[attn.layer]])
         if step is None or q.size(1) > 1:
             return cache.attend(attn, q, x, rope)
         cache.write(attn, x, rope)
@@ -298,12 +314,12 @@ class ExactKVCache:
 class FixedKVCache:
     """A view over a RingKVCache, from its position on, behind shapes that no longer change, for
     torch.compile: pos is a (1,) tensor; a token's entries go to its slot pos % length through the
-    cache's store; the token attends over every slot (load of them all) through its variant's step, or
-    reference_step, with the mask that `visible` makes of the slots' positions (ring.slot_positions:
-    an empty slot is negative, so masked; LRKV's and MLA's scores there are 0 / 0, which the mask
-    overwrites). A step's cost no longer depends on its position. pos moves outside the compiled step
-    (compiled_decode, in place, so that the compiled graph reads the new value), so advance does
-    nothing; the cache's own pos stays where the view began."""
+    cache's store; the token attends over every slot (load of them all) through its variant's step
+    (step_for), or reference_step, the reading layer's own attend, with the mask that `visible` makes of
+    the slots' positions (ring.slot_positions: an empty slot is negative, so masked; LRKV's and MLA's
+    scores there are 0 / 0, which the mask overwrites). A step's cost no longer depends on its
+    position. pos moves outside the compiled step (compiled_decode, in place, so that the compiled graph
+    reads the new value), so advance does nothing; the cache's own pos stays where the view began."""
 
     def __init__(self, cache):
         if not isinstance(cache, RingKVCache):
@@ -329,11 +345,13 @@ class FixedKVCache:
         if owner == attn.layer:
             cache.store(owner, self.pos % length, attn.cache_entries(x, rope))
         positions = slot_positions(length, self.pos + 1, self.pos.device)  # (length,), negative: empty
-        source = cache.sources[owner]
-        step = registered_step(source) or reference_step
-        entries = cache.load(owner, slice(None))
+        source, entries = cache.sources[owner], cache.load(owner, slice(None))
         mask = visible(self.pos, positions, cache.windows[attn.layer])  # (1, length)
-        return step(source, q, entries, cache.rope[positions.clamp(min=0)], mask)
+        rope = cache.rope[positions.clamp(min=0)]
+        step = step_for(attn, source)
+        if step is None:
+            return reference_step(source, q, entries, rope, mask, reader=attn)
+        return step(source, q, entries, rope, mask)
 
 
 def exact_step(model, token, cache):
@@ -387,5 +405,3 @@ STEPS = {
     rivals.MultiHeadLowRankAttention: rivals.mlra_step,
     rivals.TensorProductAttention: rivals.tpa_step,
 }
-# A variant's own plain equation, where reference_step's (one softmax per head) cannot say it
-REFERENCE_STEPS = {rivals.MultiHeadLowRankAttention: rivals.mlra_step_reference}

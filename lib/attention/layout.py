@@ -73,13 +73,16 @@ class Layout:
         # the owners another layer reads, whose keys training keeps for it
         self.shared = {owner for layer, owner in enumerate(self.kv_source) if owner != layer}
         for layer, block in enumerate(model.blocks):
-            if self.kv_source[layer] != layer:  # it reads another's keys: it keeps its queries' weights, W_o
-                # (W_q, or a variant's query_weights, as TPA's factors); its key and value weights go (MHA's
-                # W_k, W_v; LRKV's W_shared_k ... B_v; MLA's W_down, W_up_k, W_up_v, W_kr)
-                keep = {*getattr(block.attn, "query_weights", ("W_q",)), "W_o"}
-                for name, _ in [*block.attn.named_children(), *block.attn.named_parameters(recurse=False)]:
+            if self.kv_source[layer] != layer:  # it reads another's keys: it keeps its queries' weights (W_q,
+                # or a variant's query_weights, as TPA's factors), those its attend reads (a variant's
+                # attend_weights) and W_o; its key and value weights go (MHA's W_k, W_v; LRKV's W_shared_k ...
+                # B_v; MLA's W_down, W_up_k, W_up_v, W_kr)
+                attn = block.attn
+                keep = {*getattr(attn, "query_weights", ("W_q",)), *getattr(attn, "attend_weights", ()),
+                        "W_o"}
+                for name, _ in [*attn.named_children(), *attn.named_parameters(recurse=False)]:
                     if name not in keep:
-                        delattr(block.attn, name)
+                        delattr(attn, name)
 
     def memory(self):
         """What one training forward attends through."""

@@ -20,8 +20,8 @@ weight and their sqrt(d / d_c) scale are absorbed into the next matrix). Each de
 training attends over; under "Decoding", cache_shapes, cache_entries and cached_keys_values; and an
 exact single-token step (`<name>_step`, beside its class; lib/attention/decode.py's STEPS lists it),
 which reads the compressed cache and builds no cached position's key or value, and equals
-decode.reference_step, the plain equation over cached_keys_values (MLRA's sum of softmaxes: its own
-reference, mlra_step_reference). Their knobs are fields of model.GPTConfig, so flags of train.py.
+decode.reference_step, the plain equation: the class's attend over cached_keys_values. Their knobs
+are fields of model.GPTConfig, so flags of train.py.
 """
 
 import math
@@ -324,17 +324,6 @@ def mlra_head_key_weights(attn):
     W_nope = torch.einsum("icx,ihdc->hxd", W_down, attn.up(attn.W_up_k))  # (H, d, d_h)
     W_rope = attn.n_latent * attn.W_kr.weight.t().expand(attn.n_head, -1, -1)
     return torch.cat((W_nope, W_rope), dim=-1)
-
-
-def mlra_step_reference(attn, q, cached, rope, mask):
-    """What mlra_step computes, by the plain equation, where decode.reference_step's one softmax per head
-    cannot: every cached key and value built (cached_keys_values), then
-    o_h = (1/sqrt(n)) sum_i softmax(q_h . k_{i,h,s} / sqrt(d_qk)) v_{i,h,s}."""
-    k, v = attn.cached_keys_values(rope, **cached)  # (B, S, n, H, d_qk), (B, S, n, H, d_h)
-    scores = torch.einsum("bhd,bsihd->bihs", q[:, 0], k) / math.sqrt(attn.qk_dim)
-    a = masked_softmax(scores, mask, q.dtype)
-    y = torch.einsum("bihs,bsihd->bhd", a, v) / math.sqrt(attn.n_latent)
-    return y.unsqueeze(1)
 
 
 def mlra_step(attn, q, cached, rope, mask):

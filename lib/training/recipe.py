@@ -47,7 +47,7 @@ class TrainConfig:
     # muon: Muon for the blocks' matrices, AdamW for wte and lm_head; adamw: AdamW for all
     optimizer: str = "muon"
     muon_lr: float = 0.02
-    adamw_lr: float = 0.003  # the blocks' matrices under --optimizer=adamw; not tuned
+    adamw_lr: float = 0.003  # the blocks' matrices under --optimizer=adamw, their vectors always; not tuned
     embedding_lr: float = 0.2  # AdamW, wte
     unembedding_lr: float = 0.004  # AdamW, lm_head
     weight_decay: float = 0.1  # decoupled, every parameter in both optimizers
@@ -134,17 +134,22 @@ def build(model_config, cfg, device, world_size, dtype, compile, initial=None):
 
 def configure_optimizers(model, cfg, ns_dtype=None):
     """The paper's optimisers: Muon for every matrix inside the blocks, AdamW with their own lrs for
-    the token embedding and the unembedding; --optimizer=adamw moves the blocks' matrices to AdamW at
-    adamw_lr. The paper's AdamW lrs are kept as they are: nanochat's (n_embd / 768) ** -0.5 scaling
-    of them is 1 at the 128M width, and the paper does not say it applies it elsewhere.
+    the token embedding and the unembedding, and at adamw_lr for any other parameter of the blocks (a
+    variant's vector or scalar: Muon orthogonalises matrices only); --optimizer=adamw moves the blocks'
+    matrices to AdamW at adamw_lr too. The paper's AdamW lrs are kept as they are: nanochat's
+    (n_embd / 768) ** -0.5 scaling of them is 1 at the 128M width, and the paper does not say it
+    applies it elsewhere.
     Each param group's initial_lr is the peak that the schedule scales; Muon's Newton-Schulz runs in
     ns_dtype (a torch.dtype) if given, else in cfg.ns_dtype."""
-    matrices = list(model.blocks.parameters())
-    if len(matrices) + 2 != len(list(model.parameters())):
+    blocks = list(model.blocks.parameters())
+    if len(blocks) + 2 != len(list(model.parameters())):
         raise ValueError("GPT has parameters outside wte, lm_head and the blocks: configure_optimizers "
                          "misses them")
+    matrices, others = [p for p in blocks if p.ndim == 2], [p for p in blocks if p.ndim != 2]
     adamw_groups = [dict(params=[model.wte.weight], lr=cfg.embedding_lr),
                     dict(params=[model.lm_head.weight], lr=cfg.unembedding_lr)]
+    if others:
+        adamw_groups.append(dict(params=others, lr=cfg.adamw_lr))
     adamw = dict(betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=model.wte.weight.is_cuda)
     if cfg.optimizer == "adamw":
         optimizers = [torch.optim.AdamW([dict(params=matrices, lr=cfg.adamw_lr), *adamw_groups], **adamw)]
