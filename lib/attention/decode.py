@@ -35,7 +35,7 @@ import torch
 
 from lib.attention import rivals
 from lib.attention.ring import RingKVCache, masked_softmax, slot_positions, visible
-from model import LowRankKVAttention, MultiHeadLatentAttention, sample
+from model import Attention, LowRankKVAttention, MultiHeadLatentAttention, sample
 
 
 # -----------------------------------------------------------------------------
@@ -129,11 +129,12 @@ def reference_step(attn, q, cached, rope, mask, reader=None):
     """What every single-token step computes, by the plain equation: every cached position's keys and
     values rebuilt by attn, the layer whose weights made the entries (its cached_keys_values), then the
     reading layer's own attend (reader's; attn's where None), training's, over the positions that mask
-    allows: (B, 1, H, d_v). A position the mask hides has its keys and values zeroed first: an empty slot
-    of a fixed-shape cache may rebuild to 0 / 0 (a cached key RMS of 0), which would spread through
-    the softmax."""
+    allows: (B, 1, H, d_v). Where keys and values are rebuilt from other entries, a position the mask
+    hides has them zeroed first: an empty slot of a fixed-shape cache may rebuild to 0 / 0 (a cached key
+    RMS of 0), which SDPA would spread through the softmax. Keys and values cached as they are (MHA's,
+    GQA's, MQA's) are zeros there, and are read as they are."""
     k, v = attn.cached_keys_values(rope, **cached)  # (B, S, G, d_qk), (B, S, G, d_v)
-    if mask is not None:
+    if mask is not None and type(attn).cached_keys_values is not Attention.cached_keys_values:
         k, v = (t.masked_fill(~mask[0].view(1, -1, *[1] * (t.dim() - 2)), 0) for t in (k, v))
     return (reader or attn).attend(q, k, v, mask)
 
