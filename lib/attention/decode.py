@@ -128,15 +128,24 @@ def step_for(reader, source):
 def reference_step(attn, q, cached, rope, mask, reader=None):
     """What every single-token step computes, by the plain equation: every cached position's keys and
     values rebuilt by attn, the layer whose weights made the entries (its cached_keys_values), then the
-    reading layer's own attend (reader's; attn's where None), training's, over the positions that mask
-    allows: (B, 1, H, d_v). Where keys and values are rebuilt from other entries, a position the mask
-    hides has them zeroed first: an empty slot of a fixed-shape cache may rebuild to 0 / 0 (a cached key
-    RMS of 0), which SDPA would spread through the softmax. Keys and values cached as they are (MHA's,
-    GQA's, MQA's) are zeros there, and are read as they are."""
+    reading layer's attend (reader's; attn's where None) over the positions that mask allows:
+    (B, 1, H, d_v). Where that is model.Attention's, training's softmax(q_h . k_{h,s} / sqrt(d_qk)) v,
+    it is written out here for one query, query head h reading key head h G // H (SDPA's kernel with a
+    mask ran slower for one query on a CPU, in the fixed-shape path); else the reader's own attend, with the keys and
+    values of a position the mask hides zeroed first: an empty slot of a fixed-shape cache may rebuild
+    to 0 / 0 (a cached key RMS of 0), which SDPA would spread through the softmax."""
     k, v = attn.cached_keys_values(rope, **cached)  # (B, S, G, d_qk), (B, S, G, d_v)
-    if mask is not None and type(attn).cached_keys_values is not Attention.cached_keys_values:
-        k, v = (t.masked_fill(~mask[0].view(1, -1, *[1] * (t.dim() - 2)), 0) for t in (k, v))
-    return (reader or attn).attend(q, k, v, mask)
+    reader = reader or attn
+    if type(reader).attend is not Attention.attend:
+        if mask is not None:
+            k, v = (t.masked_fill(~mask[0].view(1, -1, *[1] * (t.dim() - 2)), 0) for t in (k, v))
+        return reader.attend(q, k, v, mask)
+    B, _, H, d_qk = q.shape
+    G, S = k.size(2), k.size(1)
+    q = q[:, 0].view(B, G, H // G, d_qk)  # query head g H/G + j reads key/value head g
+    scores = torch.einsum("bgjd,bsgd->bgjs", q, k).reshape(B, H, S) / math.sqrt(d_qk)
+    a = masked_softmax(scores, mask, q.dtype).view(B, G, H // G, S)  # a hidden 0 / 0 score masked too
+    return torch.einsum("bgjs,bsgd->bgjd", a, v).reshape(B, 1, H, -1)
 
 
 # -----------------------------------------------------------------------------
