@@ -305,8 +305,9 @@ def restore(checkpoint, model, optimizers, device):
 
 # The log's format: log appends one record a line to out_dir/log.jsonl, read_log reads them back.
 # Training records hold step and loss (and lr, timings), evaluation records step and val_loss (and
-# val_bpb, and each layer's effective_rank and effective_rank_centered, and with --eval_tasks the
-# tasks' scores; a log from before those were logged has none).
+# val_bpb, and each layer's effective_rank and effective_rank_centered, None for a variant whose heads
+# give no maps of x, and with --eval_tasks the tasks' scores; a log from before those were logged has
+# none).
 def log(out_dir, record, line):
     """Print line and append record, whole or not at all: a failed append (a full disk) is cut
     back to the log as it was and raised as a WriteError."""
@@ -327,16 +328,19 @@ def log(out_dir, record, line):
 
 
 def log_eval(out_dir, step, val_loss, val_bpb, ranks, tasks=None):
-    """An evaluation's record: its losses and ranks, diversity.layer_ranks of the weights evaluated,
+    """An evaluation's record: its losses and ranks, diversity.layer_ranks of the weights evaluated (None
+    where the heads give no maps of x),
     and with train.py --eval_tasks the tasks' scores, {name: {"metric", "value", "chance"}}."""
-    means = [sum(ranks[key]) / len(ranks[key]) for key in ("effective_rank", "effective_rank_centered")]
+    if ranks["effective_rank"] is None:  # diversity.no_head_maps, which train.py said when it started
+        rank = "effective rank none (no maps of x)"
+    else:
+        means = [sum(ranks[key]) / len(ranks[key]) for key in ("effective_rank", "effective_rank_centered")]
+        rank = f"effective rank, mean over layers, {means[0]:.2f} (centred {means[1]:.2f})"
     scores = "".join(f" | {name} {r['metric']} {r['value']:.4f}" for name, r in (tasks or {}).items())
     record = dict(step=step, val_loss=val_loss, val_bpb=val_bpb, **ranks)
     if tasks:
         record["tasks"] = tasks
-    log(out_dir, record,
-        f"step {step} | val loss {val_loss:.4f} | val bpb {val_bpb:.4f} | effective rank, mean over "
-        f"layers, {means[0]:.2f} (centred {means[1]:.2f}){scores}")
+    log(out_dir, record, f"step {step} | val loss {val_loss:.4f} | val bpb {val_bpb:.4f} | {rank}{scores}")
 
 
 def read_log(out_dir):
