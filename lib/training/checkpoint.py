@@ -8,8 +8,9 @@ A run holds its out_dir for its whole life (claim_out_dir): one run a folder, an
 never replaces another's files unasked. Every write fails whole: a checkpoint is written to a
 temporary file and renamed, a log record appended or nothing, and a failure (a full disk) is a
 WriteError of one line that leaves the files as they were. A checkpoint carries a digest of its
-contents, checked on load, so a damaged file is refused, never sampled from; the log tolerates
-the torn last line that a crash in mid-append leaves.
+contents, checked on load, so a damaged file is refused, never sampled from, and a file cut short
+(a copy cut off) is refused as truncated; the log tolerates the torn last line that a crash in
+mid-append leaves.
 """
 
 import dataclasses
@@ -22,6 +23,7 @@ import pickle
 import stat
 import sys
 import tempfile
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -226,6 +228,21 @@ FIELDS = dict(model=dict, model_args=dict, optimizers=[dict(state=dict, param_gr
               rng=dict(torch=torch.Tensor, cuda=(torch.Tensor, type(None))), digest=str)
 
 
+# torch.save writes a zip archive: its first bytes a zip's, its last its central directory's end
+ZIP_START = b"PK\x03\x04"
+
+
+def unreadable(path, start, size):
+    """What is wrong with a file of size bytes, starting with start, that torch.load cannot read: a
+    checkpoint's start without its end (a save killed, a copy cut short), or no checkpoint at all."""
+    if size == 0:
+        return "empty (0 bytes), so not a checkpoint; restore it from a copy or train it again"
+    if start == ZIP_START and not zipfile.is_zipfile(path):
+        return (f"truncated after {size:,} bytes: a checkpoint's start without its end (a save or a copy cut "
+                "short); restore it from a whole copy or train it again")
+    return "not a PyTorch checkpoint"
+
+
 # The files whose digest this process has checked, and found right: analyze.py reads a
 # conversion's source checkpoint once for every run converted from it
 VERIFIED = {}
@@ -246,17 +263,19 @@ def load_checkpoint(path, device="meta", needs=()):
     try:
         info = os.stat(path)
         # a FIFO or a device would block the read or never end: only a regular file is a checkpoint
-        if stat.S_ISREG(info.st_mode):
-            ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        if not stat.S_ISREG(info.st_mode):
+            raise bad("not a regular file, so not a checkpoint")
+        with open(path, "rb") as f:  # the file system's refusals (no permission), apart from the contents'
+            start = f.read(len(ZIP_START))
     except OSError as e:
         raise bad(e.strerror) from None
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError:
         raise bad("refused: it holds Python objects that loading with weights_only=True does not "
                   "allow") from None
-    except Exception:  # what else torch.load raises (mostly RuntimeError) says the file is no checkpoint
-        raise bad("not a PyTorch checkpoint") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise bad("not a regular file, so not a checkpoint")
+    except Exception:  # what else torch.load raises (a RuntimeError, an OSError) says the contents are wrong
+        raise bad(unreadable(path, start, info.st_size)) from None
     identity = (os.path.realpath(path), info.st_ino, info.st_size, info.st_mtime_ns)
     if not isinstance(ckpt, dict):
         raise bad(f"not a train.py checkpoint: it holds a {type(ckpt).__name__}, not a dict")
