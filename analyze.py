@@ -32,7 +32,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from lib.training.checkpoint import check_writable, load_checkpoint, read_log
-from lib.training.configurator import ArgumentParser, ConfigError
+from lib.training.configurator import ArgumentParser, ConfigError, run_main
 from lib.training.hardware import check_environment
 from lib.attention.convert import CALIBRATION_TOKENS, attention_input_covariances, shared_plus_low_rank
 from lib.attention.diversity import layer_ranks, no_head_maps, similarities
@@ -597,4 +597,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

@@ -36,7 +36,7 @@ from lib.evaluation import downstream
 from lib.training.checkpoint import (EVALS, WriteError, checkpoint_dict, claim_out_dir, load_checkpoint,
                                      load_resume_checkpoint, log, log_eval, restore, save_checkpoint,
                                      start_log)
-from lib.training.configurator import ConfigError
+from lib.training.configurator import ConfigError, run_main
 from lib.training.data import get_tokenizer, load_data
 from lib.training.hardware import check_environment, decoding_dtype, peak_flops, pick_device
 from lib.training.parallel import gathered, process_group, world
@@ -260,4 +260,4 @@ def score_tasks(model, tasks, cfg, device, pad_id):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))
