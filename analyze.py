@@ -499,7 +499,8 @@ def print_table(runs):
             *([f"{run['start']['val_loss']:.3f}" if run["start"] else "-"] if converted else []),
             "-" if run["val_loss"] is None else f"{run['val_loss']:.3f}",
             "-" if run["val_bpb"] is None else f"{run['val_bpb']:.3f}",
-            *("-" if rank is None else f"{rank:.2f} ({100 * rank / run['n_head']:.1f}%)" for rank in mean_ranks),
+            *("-" if rank is None else f"{rank:.2f} ({100 * rank / run['n_head']:.1f}%)"
+              for rank in mean_ranks),
         ))
     widths = [max(len(row[col]) for row in rows) for col in range(len(rows[0]))]
     for row in rows:

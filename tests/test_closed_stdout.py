@@ -38,8 +38,8 @@ def into_finished_head(command, buffered=True):
     try:
         os.write(write_end, b"first line\n")
         printed = head.communicate()[0]
-        result = subprocess.run([sys.executable, *command], stdout=write_end, stderr=subprocess.PIPE, cwd=REPO,
-                                env=env, text=True)
+        result = subprocess.run([sys.executable, *command], stdout=write_end, stderr=subprocess.PIPE,
+                                cwd=REPO, env=env, text=True)
     finally:
         os.close(write_end)
     return printed, result.returncode, result.stderr

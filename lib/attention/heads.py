@@ -33,7 +33,8 @@ def registered(table, attn):
 
 def has_head_maps(attn):
     """Whether a table below lists attn's class (or a parent): whether its heads give maps of x."""
-    return any(registered(table, attn) is not None for table in (HEAD_KV_WEIGHTS, HEAD_KEY_WEIGHTS, HEAD_QK_GRAMS))
+    tables = (HEAD_KV_WEIGHTS, HEAD_KEY_WEIGHTS, HEAD_QK_GRAMS)
+    return any(registered(table, attn) is not None for table in tables)
 
 
 def head_kv_weights(attn):
