@@ -32,10 +32,10 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from lib.training.checkpoint import check_writable, load_checkpoint, read_log
-from lib.training.configurator import ArgumentParser, ConfigError
+from lib.training.configurator import ArgumentParser, ConfigError, run_main
 from lib.training.hardware import check_environment
 from lib.attention.convert import CALIBRATION_TOKENS, attention_input_covariances, shared_plus_low_rank
-from lib.attention.diversity import layer_ranks, similarities
+from lib.attention.diversity import layer_ranks, no_head_maps, similarities
 from lib.attention.heads import head_kv_weights
 from lib.attention.layout import key_layers, kv_cache_elements_per_token, kv_source, layer_window
 from lib.evaluation.runs import layout, legend_labels, provenance, run_order
@@ -104,8 +104,8 @@ def loss_curves(records, ckpt):
 def ranks_during_training(records):
     """The effective ranks train.py logged beside the checkpoint (records), at each evaluation:
     {"step": [...], "effective_rank": [per layer, ...], "effective_rank_centered": [...]}, or None
-    for a log from before train.py logged them, or none."""
-    logged = [record for record in records if "effective_rank" in record]
+    for a log from before train.py logged them, none, or a variant with no rank (logged as None)."""
+    logged = [record for record in records if record.get("effective_rank") is not None]
     if not logged:
         return None
     keys = ("step", "effective_rank", "effective_rank_centered")
@@ -137,7 +137,10 @@ def analyze(path):
     # the attention weights are converted, the rest of the model is never read
     for block in model.blocks:
         block.attn.double()
-    similarity = similarities(model)
+    similarity = similarities(model)  # None, and so are the ranks, where the heads give no maps of x
+    missing = no_head_maps(model)
+    if missing:
+        print(f"{path}: {missing}: the rank figures and analysis.json say so", file=sys.stderr)
     kv_elements = kv_cache_elements_per_token(model)
     # the cache of one sequence at the model's context L, in bf16, against MHA's: windows keep less
     L = config.block_size
@@ -172,10 +175,11 @@ def analyze(path):
         "start": next(({k: r[k] for k in ("val_loss", "val_bpb")} for r in records
                        if r["step"] == 0 and "val_loss" in r), None),
         "rank_energy": rank_energy(model),
+        "no_head_maps": missing,  # why there are no ranks, or None
         **layer_ranks(similarity),
         "ranks_during_training": ranks_during_training(records),
         "tasks_during_training": tasks_during_training(records),
-        "similarity": [G.tolist() for G in similarity],
+        "similarity": None if similarity is None else [G.tolist() for G in similarity],
     }
 
 
@@ -201,19 +205,31 @@ def model_size(n_params):
     return f"{n_params / 1e6:.0f}M" if n_params >= 1e7 else f"{n_params / 1e6:.1f}M"
 
 
+def no_rank_notes(ax, runs):
+    """An entry in ax's legend, with no line, for each run whose heads give no maps of x (no rank)."""
+    for run in runs:
+        if run["no_head_maps"]:
+            ax.plot([], [], linestyle="none", label=f"{run['label']}: no maps of x, no rank")
+
+
 def plot_effective_rank(runs, centered):
-    """One line per checkpoint over the layers; the size in the title is the first run's, MHA's
-    where there is one."""
+    """One line per checkpoint over the layers, a note in the legend for each whose heads give no
+    maps of x; the size in the title is the first run's, MHA's where there is one. None if no run
+    has ranks."""
     key = "effective_rank_centered" if centered else "effective_rank"
+    ranked = [run for run in runs if run[key] is not None]
+    if not ranked:
+        return None
     # identical heads score 1 (centred: 0), mutually orthogonal ones H (centred: H - 1)
-    H = max(run["n_head"] for run in runs)
+    H = max(run["n_head"] for run in ranked)
     redundant, top = (0, H - 1) if centered else (1, H)
     fig = Figure(figsize=(7.5, 4), layout="constrained")
     ax = fig.subplots()
-    for run in runs:  # a run that shares keys has the ranks of the layers that own them alone
+    for run in ranked:  # a run that shares keys has the ranks of the layers that own them alone
         ax.plot(run["key_layers"], run[key], marker="o", markersize=4, color=run["color"],
                 linestyle=line_style(run), label=run["label"])
-    shared = any(len(run["key_layers"]) < run["n_layer"] for run in runs)
+    no_rank_notes(ax, runs)
+    shared = any(len(run["key_layers"]) < run["n_layer"] for run in ranked)
     ax.axhline(redundant, color="gray", linestyle="--", label="Fully redundant")
     ax.set_ylim(redundant - 0.2, top + 0.2)
     ax.set_yticks(range(redundant, top + 1))
@@ -233,7 +249,8 @@ def plot_rank_during_training(runs, centered):
     When the heads collapse, and
     whether they recover, shows here, where the final checkpoint's figure shows only where they
     ended. The y axis fits the lines (at 12 layers on a CPU they move by hundredths of H); the
-    dashed line is H (centred: H - 1), mutually orthogonal heads. None if no run's log holds ranks."""
+    dashed line is H (centred: H - 1), mutually orthogonal heads; a run whose heads give no maps of x
+    is a note in the legend. None if no run's log holds ranks."""
     logged = [run for run in runs if run["ranks_during_training"]]
     if not logged:
         return None
@@ -255,6 +272,7 @@ def plot_rank_during_training(runs, centered):
         ax.set_title(title)
         ax.set_xlabel("Training step")
     axes[0].set_ylabel("PCA-based effective rank" if centered else "Effective rank")
+    no_rank_notes(axes[0], runs)
     fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right upper")
     fig.suptitle(f"Head Diversity During Training ({model_size(logged[0]['n_params'])})")
     return fig
@@ -289,9 +307,10 @@ def plot_tasks_during_training(runs):
 
 def most_different_layer(runs):
     """The layer whose effective ranks differ most between the runs (largest max - min), where
-    the variants' heads tell them apart, of those that own keys in every run; None if the runs
-    differ in depth or no layer owns keys in all of them."""
-    if len({run["n_layer"] for run in runs}) > 1:
+    the variants' heads tell them apart, of those that own keys in every run with ranks; None if
+    fewer than two runs have ranks, they differ in depth or no layer owns keys in all of them."""
+    runs = [run for run in runs if run["effective_rank"] is not None]
+    if len(runs) < 2 or len({run["n_layer"] for run in runs}) > 1:
         return None
     common = sorted(set.intersection(*(set(run["key_layers"]) for run in runs)))
     if not common:
@@ -309,22 +328,32 @@ def key_layer(run, layer):
 def plot_head_correlation(runs, layer):
     """One H x H panel of G per checkpoint, for layer `layer`: an index (in CLA the G of the group's
     first layer, whose keys it attends with), "mean" (of the layers' matrices), or None for the layer
-    where the runs differ most (most_different_layer)."""
-    similarity = [np.array(run["similarity"]) for run in runs]
+    where the runs differ most (most_different_layer). A run whose heads give no maps of x has a panel
+    that says so; None if no run has a G."""
+    if all(run["similarity"] is None for run in runs):
+        return None
+    similarity = [None if run["similarity"] is None else np.array(run["similarity"]) for run in runs]
     if layer == "mean":
-        panels, which = [s.mean(0) for s in similarity], "mean over layers"
+        panels, which = [None if s is None else s.mean(0) for s in similarity], "mean over layers"
     else:
         index = most_different_layer(runs) if layer is None else None
         shown = ([key_layer(run, index) for run in runs] if index is not None else
                  [key_layer(run, run["n_layer"] // 2 if layer is None else layer) for run in runs])
-        panels = [s[run["key_layers"].index(i)] for s, run, i in zip(similarity, runs, shown)]
-        which = ("layer " + ", ".join(map(str, sorted(set(shown))))
+        panels = [None if s is None else s[run["key_layers"].index(i)]
+                  for s, run, i in zip(similarity, runs, shown)]
+        drawn = sorted({i for i, s in zip(shown, similarity) if s is not None})
+        which = ("layer " + ", ".join(map(str, drawn))
                  + (", where the runs' effective ranks differ most" if index is not None else ""))
     fig = Figure(figsize=(2.3 * len(runs) + 1, 3), layout="constrained")
     axes = fig.subplots(1, len(runs), squeeze=False)[0]
     for ax, run, G in zip(axes, runs, panels):
-        image = ax.imshow(G, cmap="RdBu_r", vmin=-1, vmax=1)
         ax.set_title(run["label"], fontsize=10)
+        if G is None:
+            ax.text(0.5, 0.5, "no maps of x", ha="center", va="center", transform=ax.transAxes)
+            ax.set_xticks([])
+            ax.set_yticks([])
+            continue
+        image = ax.imshow(G, cmap="RdBu_r", vmin=-1, vmax=1)
         ax.set_xlabel("Head Index")
         ax.set_ylabel("Head Index")
         ax.set_xticks(range(run["n_head"]))
@@ -459,7 +488,8 @@ def print_table(runs):
              *(["val loss at step 0"] if converted else []),
              "val loss", "val BPB", "eff. rank (% of H)", "centred (% of H)")]
     for run in runs:
-        mean_ranks = [sum(run[key]) / len(run[key]) for key in ("effective_rank", "effective_rank_centered")]
+        mean_ranks = [None if run[key] is None else sum(run[key]) / len(run[key])
+                      for key in ("effective_rank", "effective_rank_centered")]
         rows.append((
             run["label"],
             f"{run['n_params'] / 1e6:.1f}M",
@@ -469,7 +499,8 @@ def print_table(runs):
             *([f"{run['start']['val_loss']:.3f}" if run["start"] else "-"] if converted else []),
             "-" if run["val_loss"] is None else f"{run['val_loss']:.3f}",
             "-" if run["val_bpb"] is None else f"{run['val_bpb']:.3f}",
-            *(f"{rank:.2f} ({100 * rank / run['n_head']:.1f}%)" for rank in mean_ranks),
+            *("-" if rank is None else f"{rank:.2f} ({100 * rank / run['n_head']:.1f}%)"
+              for rank in mean_ranks),
         ))
     widths = [max(len(row[col]) for row in rows) for col in range(len(rows[0]))]
     for row in rows:
@@ -544,7 +575,9 @@ def main(argv=None):
         if missing:
             print(f"rank_energy.png from the weights alone, with no inputs to see them through: {missing}")
         figures["rank_energy.png"] = plot_rank_energy(mha, len(mha["rank_energy"]["keys"][0]))
-    needs = {"kv_tradeoff.png": "validation numbers", "loss_curves.png": "a log.jsonl beside it",
+    needs = {"effective_rank.png": "heads that give maps of x (lib/attention/heads.py)",
+             "head_correlation.png": "heads that give maps of x (lib/attention/heads.py)",
+             "kv_tradeoff.png": "validation numbers", "loss_curves.png": "a log.jsonl beside it",
              "rank_during_training.png": "a log.jsonl with effective ranks beside it"}
     # each file whole or not at all, should the disk fill meanwhile: the last analysis stays whole
     try:
@@ -565,4 +598,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

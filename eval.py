@@ -27,7 +27,7 @@ from tqdm import tqdm
 from lib.evaluation import downstream
 from lib.evaluation.runs import legend_labels, provenance, run_order
 from lib.training.checkpoint import check_writable, load_checkpoint
-from lib.training.configurator import ArgumentParser, ConfigError, kv_quant, positive_int
+from lib.training.configurator import ArgumentParser, ConfigError, kv_quant, positive_int, run_main
 from lib.attention import quant
 from lib.attention.decode import teacher_forced
 from lib.training.hardware import DEVICES, check_environment, decoding_dtype, pick_device
@@ -223,4 +223,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from lib.training.configurator import ArgumentParser
+from lib.training.configurator import ArgumentParser, run_main
 from lib.training.data import (DATASETS, TOKENIZERS, get_tokenizer, read_shard, read_state, write_atomic,
                                write_shard)
 
@@ -297,8 +297,10 @@ def main(argv=None):
         parser.error("--input is for --dataset=text or fineweb-edu; pydocs is built in")
     try:
         prepare(args)
+    except BrokenPipeError:  # stdout's reader has gone (| head): run_main's to end the script quietly
+        raise
     except (OSError, ValueError, ImportError) as e:  # bad input or no network: one line
         sys.exit(f"prepare_data.py: error: {e}")
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

@@ -27,7 +27,7 @@ from lib.evaluation.runs import layout
 from lib.training.data import load_tokenizer
 from lib.training.checkpoint import load_checkpoint
 from lib.attention import quant
-from lib.training.configurator import ArgumentParser, ConfigError, kv_quant, positive_int, seed
+from lib.training.configurator import ArgumentParser, ConfigError, kv_quant, positive_int, run_main, seed
 from lib.training.hardware import DEVICES, check_environment, decoding_dtype, pick_device
 
 
@@ -157,4 +157,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

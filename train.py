@@ -30,13 +30,13 @@ import torch
 import torch.distributed as dist
 
 from lib.attention.convert import load_init_checkpoint
-from lib.attention.diversity import weight_ranks
+from lib.attention.diversity import no_head_maps, weight_ranks
 from lib.attention.layout import kv_cache_elements_per_token
 from lib.evaluation import downstream
 from lib.training.checkpoint import (EVALS, WriteError, checkpoint_dict, claim_out_dir, load_checkpoint,
                                      load_resume_checkpoint, log, log_eval, restore, save_checkpoint,
                                      start_log)
-from lib.training.configurator import ConfigError
+from lib.training.configurator import ConfigError, run_main
 from lib.training.data import get_tokenizer, load_data
 from lib.training.hardware import check_environment, decoding_dtype, peak_flops, pick_device
 from lib.training.parallel import gathered, process_group, world
@@ -141,6 +141,9 @@ def train(model_config, cfg, data, device, resumed, initial, micro_batch, rank, 
         if model_config.window is not None and len(model_config.window_pattern) > model_config.n_layer:
             print(f"warning: --window_pattern={model_config.window_pattern} has more letters than n_layer = "
                   f"{model_config.n_layer}: those past it are unused", file=sys.stderr)
+        missing = no_head_maps(raw_model)  # a variant that no table of heads.py lists
+        if missing:
+            print(f"note: {missing}; its evaluations log none", file=sys.stderr)
         if cfg.max_steps < cfg.warmup_steps:
             print(f"warning: max_steps = {cfg.max_steps} is below warmup_steps = {cfg.warmup_steps}: the lr "
                   f"ends at {lr_multiplier(cfg.max_steps - 1, cfg):.0%} of its peak", file=sys.stderr)
@@ -257,4 +260,4 @@ def score_tasks(model, tasks, cfg, device, pad_id):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import analyze
+import model
 from lib.training import checkpoint
 
 from lib.attention import convert
@@ -26,7 +27,7 @@ from lib.training.data import TrainBatches, read_shard, shard_paths
 import train
 from lib.training import recipe
 from model import GPT, GPTConfig
-from test_train import flip_a_bit
+from test_train import flags as train_flags, flip_a_bit
 
 H, D, D_QK = 4, 24, 6
 TINY = GPTConfig(
@@ -478,3 +479,77 @@ def test_the_ranks_train_py_logs_are_analyzes_of_the_checkpoint_at_that_step(tmp
             assert list(line.get_xdata()) == [2, 4, 6]
     assert (tmp_path / "runs" / "rank_during_training.png").exists()
     assert analyze.plot_rank_during_training(runs[1:], False) is None
+
+
+class TiedKeyValueAttention(model.Attention):
+    """One head of width d_h a token, read by every query head as MQA's, whose key is its value
+    normalised and rotated. No table of lib/attention/heads.py lists it, so its heads give no maps
+    of x: it has no effective rank, and the rest of a run must go on without one."""
+
+    def __init__(self, config, layer):
+        super().__init__(config, layer)
+        self.W_kv = torch.nn.Linear(config.n_embd, config.head_dim, bias=False)
+
+    def keys_values(self, x, rope):
+        B, T, _ = x.shape
+        v = self.W_kv(x).view(B, T, 1, self.head_dim)
+        return model.apply_rope(model.norm(v), rope), v  # (B, T, 1, d_h) each
+
+    def cache_shapes(self):
+        return {"k": (1, self.head_dim), "v": (1, self.head_dim)}
+
+
+def test_a_variant_without_head_maps_trains_resumes_and_is_analysed_saying_it_has_no_rank(
+        data_dir, tmp_path, monkeypatch, capsys):
+    """A variant that no heads.py table lists trains, evaluates (its records' ranks None) and resumes,
+    scoring a task; analyze.py draws its loss curves, cache, trade-off and task as any run's, and
+    says on stderr, in analysis.json and in the rank figures' legends that its heads give no maps of x."""
+    monkeypatch.setitem(model.VARIANTS, "tied_kv", TiedKeyValueAttention)
+    out = tmp_path / "runs" / "tied_kv"
+    run_flags = train_flags(data_dir=data_dir, out_dir=out, attn="tied_kv", max_steps=4, eval_interval=2,
+                            eval_tokens=128)
+    assert train.main(run_flags + ["--stop_after=2"]) == 0
+    says = ("TiedKeyValueAttention's heads give no maps of x (no entry in lib/attention/heads.py), so they "
+            "have no effective rank")
+    assert says in capsys.readouterr().err
+    assert train.main(run_flags + ["--resume", "--eval_tasks=humaneval", "--eval_tasks_limit=1"]) == 0
+    printed = capsys.readouterr()
+    assert says in printed.err and "effective rank none" in printed.out
+    evaluations = [r for r in checkpoint.read_log(out) if "val_loss" in r]
+    assert [(r["step"], r["effective_rank"], r["effective_rank_centered"]) for r in evaluations] == [
+        (2, None, None), (4, None, None)]
+    assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == 4
+
+    # alone: no rank figure at all, said so
+    analyze.main([str(out / "ckpt.pt"), f"--out_dir={tmp_path / 'alone'}"])
+    printed = capsys.readouterr()
+    assert f"{out / 'ckpt.pt'}: {says}" in printed.err
+    assert "so no effective_rank.png" in printed.out and "so no head_correlation.png" in printed.out
+    assert not (tmp_path / "alone" / "effective_rank.png").exists()
+    for name in ("loss_curves.png", "kv_cache.png", "kv_tradeoff.png", "tasks_during_training.png"):
+        assert (tmp_path / "alone" / name).stat().st_size > 0, name
+
+    # beside an MHA run, whose ranks are drawn, and the legends say what the variant's cannot be
+    logged_ranks = dict(effective_rank=[3.5, 3.0, 2.5], effective_rank_centered=[2.5, 2.0, 1.5])
+    save_checkpoint(tmp_path / "runs" / "mha" / "ckpt.pt", attn="mha", vocab_size=256,
+                    log=[dict(step=2, val_loss=3.0, val_bpb=1.0, **logged_ranks)])
+    analyze.main([str(tmp_path / "runs"), f"--out_dir={tmp_path / 'figures'}"])
+    assert says in capsys.readouterr().err
+    order = json.loads((tmp_path / "figures" / "analysis.json").read_text())["runs"]
+    tied, mha = (next(run for run in order if run["attn"] == attn) for attn in ("tied_kv", "mha"))
+    assert tied["no_head_maps"] == says and mha["no_head_maps"] is None
+    assert tied["effective_rank"] is None and tied["similarity"] is None
+    assert tied["ranks_during_training"] is None
+    assert len(mha["effective_rank"]) == 3
+    assert [tokens for tokens, _ in tied["curves"]["val"]] == [2 * 4 * 32, 4 * 4 * 32]  # steps x batch x T
+    assert tied["kv_cache_entries"] == {"k": 2 * 16, "v": 2 * 16}  # one d_h = 16 head each, 2 layers
+    assert tied["val_loss"] == evaluations[-1]["val_loss"]
+    assert tied["tasks_during_training"]["humaneval"]["step"] == [4]
+    for name in ("effective_rank.png", "head_correlation.png", "loss_curves.png", "kv_cache.png",
+                 "kv_tradeoff.png", "tasks_during_training.png"):
+        assert (tmp_path / "figures" / name).stat().st_size > 0, name
+    note = f"{tied['label']}: no maps of x, no rank"
+    for figure in (analyze.plot_effective_rank(order, False), analyze.plot_rank_during_training(order, True)):
+        assert note in [text.get_text() for text in figure.legends[0].get_texts()]
+    panel = analyze.plot_head_correlation(order, None).axes[order.index(tied)]
+    assert [text.get_text() for text in panel.texts] == ["no maps of x"]

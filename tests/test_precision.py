@@ -180,3 +180,42 @@ def test_the_scripts_train_resume_convert_sample_analyze_and_bench_in_a_forced_p
     assert result["decode"]["dtype"] == str(dtype).removeprefix("torch.")
     assert result["train"]["ns_dtype"] == forced
     assert re.search(rf"precision: train {forced} \(LRKV_PRECISION={forced}\)", capsys.readouterr().out)
+
+
+@pytest.fixture(scope="module")
+def whole_checkpoint(data_dir, tmp_path_factory):
+    """The bytes of the ckpt.pt and log.jsonl that train.py writes for a tiny run of one step."""
+    out = tmp_path_factory.mktemp("whole")
+    assert train.main(flags(data_dir=data_dir, out_dir=out, max_steps=1, eval_interval=1)) == 0
+    return (out / "ckpt.pt").read_bytes(), (out / "log.jsonl").read_bytes()
+
+
+# A checkpoint cut short (a save killed in a file system that renames late, a copy cut off) is the
+# one line of load_checkpoint, which every script reads checkpoints through: the path, "truncated",
+# what to do; each script's exit code for bad input (SCRIPTS'), and nothing written, train.py
+# --resume's folder as it was. Cut at 20 KB, inside the first tensors, and at half, past them.
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("cut", [20_000, "half"])
+def test_every_script_refuses_a_checkpoint_cut_short_in_one_line(script, cut, whole_checkpoint, data_dir,
+                                                                 tmp_path, capsys):
+    main, argv, expected = SCRIPTS[script]
+    whole, log = whole_checkpoint
+    cut_bytes = whole[:len(whole) // 2 if cut == "half" else cut]
+    assert 20_000 < len(whole) // 2
+    ckpt_path = tmp_path / "ckpt.pt"
+    ckpt_path.write_bytes(cut_bytes)
+    (tmp_path / "log.jsonl").write_bytes(log)
+    args = {"train.py": flags(data_dir=data_dir, out_dir=tmp_path) + ["--resume"],
+            "eval.py": argv(tmp_path) + ["--tasks=humaneval", "--limit=1"]}.get(script, argv(tmp_path))
+    try:
+        code = main(args)
+    except SystemExit as e:  # analyze.py: sys.exit(message)
+        code, message = 1, str(e.code)
+    else:
+        message = capsys.readouterr().err.removeprefix(f"{script}: ").rstrip("\n")
+    assert code == expected
+    assert message == (f"{ckpt_path}: truncated after {len(cut_bytes):,} bytes: a checkpoint's start without "
+                       "its end (a save or a copy cut short); restore it from a whole copy or train it again")
+    assert capsys.readouterr().out == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt", "log.jsonl"]
+    assert ckpt_path.read_bytes() == cut_bytes and (tmp_path / "log.jsonl").read_bytes() == log

@@ -57,7 +57,7 @@ from torch.autograd import DeviceType
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lib.training.checkpoint import check_writable
-from lib.training.configurator import ArgumentParser, ConfigError
+from lib.training.configurator import ArgumentParser, ConfigError, run_main
 from lib.attention.decode import ExactKVCache, FixedKVCache, compiled_step, exact_step, generate
 from lib.attention.quant import CACHES, cache_class
 from lib.training.hardware import DEVICES, PRECISION_NAMES, USES, peak_flops, pick_device, precision
@@ -649,4 +649,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

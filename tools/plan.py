@@ -72,7 +72,7 @@ from lib.training import parallel
 from lib.training import recipe
 from lib.training.recipe import flops_per_token
 from tools.bench import variants
-from lib.training.configurator import ArgumentParser, ConfigError, positive_int
+from lib.training.configurator import ArgumentParser, ConfigError, positive_int, run_main
 from model import GPT, GPTConfig, VARIANTS
 
 GIB = 2**30
@@ -628,4 +628,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

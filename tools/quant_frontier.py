@@ -23,7 +23,7 @@ from lib.attention.quant import Int4KVCache, Int8KVCache
 from lib.attention.ring import RingKVCache
 from lib.evaluation.runs import legend_labels, provenance, run_order
 from lib.training.checkpoint import check_writable, load_checkpoint
-from lib.training.configurator import ArgumentParser, ConfigError, positive_int
+from lib.training.configurator import ArgumentParser, ConfigError, positive_int, run_main
 from lib.training.data import atomic_open, load_data, load_tokenizer, write_atomic
 from lib.training.hardware import check_environment
 from lib.training.recipe import TrainConfig, evaluate
@@ -137,4 +137,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -8,7 +8,7 @@ the cosines of the A_h under the Frobenius inner product, and its effective rank
 distinct operators the layer's H heads amount to: 1 if all are the same, H if all are orthogonal.
 What it reads of a variant is heads.head_qk_grams (the pair products of W_q's maps and of the
 variant's key maps, lib/attention/heads.py); a layer that reads another's keys (--cla, --yoco), with no
-keys of its own, is left out.
+keys of its own, is left out, and a variant that no table of heads.py lists has no rank (no_head_maps).
 Everything is computed on the CPU in float64.
 """
 
@@ -17,7 +17,7 @@ import math
 import numpy as np
 import torch
 
-from lib.attention.heads import head_qk_grams
+from lib.attention.heads import has_head_maps, head_qk_grams
 from lib.attention.layout import key_layers
 from model import GPT
 
@@ -66,16 +66,33 @@ def effective_rank(G, centered=False):
     return math.exp(-(p * np.log(p)).sum())
 
 
+def no_head_maps(model):
+    """One line saying that model's heads give no maps of x, naming its attention class, where no table
+    of heads.py lists it (every layer's attention is of one class), else None: what train.py and
+    analyze.py say in place of its effective rank."""
+    attn = model.blocks[0].attn
+    if has_head_maps(attn):
+        return None
+    return (f"{type(attn).__name__}'s heads give no maps of x (no entry in lib/attention/heads.py), so they "
+            "have no effective rank")
+
+
 @torch.no_grad()
 def similarities(model):
     """G of each layer of key_layers, of a GPT whose attention weights are float64 on the CPU
-    (analyze.py's checkpoint, or attention_model's copy of a running model's)."""
+    (analyze.py's checkpoint, or attention_model's copy of a running model's); None where its heads
+    give no maps of x (no_head_maps)."""
+    if no_head_maps(model):
+        return None
     return [gram_similarity(*head_qk_grams(model.blocks[i].attn, pair_products)) for i in key_layers(model)]
 
 
 def layer_ranks(similarity):
     """{"effective_rank": per layer, "effective_rank_centered": per layer} of similarities' Gs (the
-    layers of key_layers): what analysis.json and train.py's evaluation records hold under these keys."""
+    layers of key_layers), each None where similarities is: what analysis.json and train.py's
+    evaluation records hold under these keys."""
+    if similarity is None:
+        return {"effective_rank": None, "effective_rank_centered": None}
     return {"effective_rank": [effective_rank(G) for G in similarity],
             "effective_rank_centered": [effective_rank(G, centered=True) for G in similarity]}
 

@@ -14,7 +14,9 @@ class's MRO (a subclass inherits its parent's) as decode.py's STEPS are:
                     (diversity.pair_products' layout); by default of W_q's maps and HEAD_KEY_WEIGHTS'
 
 A layer that reads another's keys (layout.py) has no key weights: diversity.py leaves it out, and
-convert.py converts only the layers that own keys.
+convert.py converts only the layers that own keys. An entry is optional: a variant in no table
+(has_head_maps) gives no maps of x, so it has no effective rank, which train.py and analyze.py say in
+its place, and --init_from has nothing to convert from.
 """
 
 import torch
@@ -27,6 +29,12 @@ def registered(table, attn):
     """A table keyed by variant class (here, decode.py's STEPS, convert.py's LOAD_HEAD_KV_WEIGHTS): its
     entry for attn's class, else for the nearest parent that has one (along the MRO), else None."""
     return next((table[cls] for cls in type(attn).__mro__ if cls in table), None)
+
+
+def has_head_maps(attn):
+    """Whether a table below lists attn's class (or a parent): whether its heads give maps of x."""
+    tables = (HEAD_KV_WEIGHTS, HEAD_KEY_WEIGHTS, HEAD_QK_GRAMS)
+    return any(registered(table, attn) is not None for table in tables)
 
 
 def head_kv_weights(attn):

@@ -8,8 +8,9 @@ A run holds its out_dir for its whole life (claim_out_dir): one run a folder, an
 never replaces another's files unasked. Every write fails whole: a checkpoint is written to a
 temporary file and renamed, a log record appended or nothing, and a failure (a full disk) is a
 WriteError of one line that leaves the files as they were. A checkpoint carries a digest of its
-contents, checked on load, so a damaged file is refused, never sampled from; the log tolerates
-the torn last line that a crash in mid-append leaves.
+contents, checked on load, so a damaged file is refused, never sampled from, and a file cut short
+(a copy cut off) is refused as truncated; the log tolerates the torn last line that a crash in
+mid-append leaves.
 """
 
 import dataclasses
@@ -22,6 +23,7 @@ import pickle
 import stat
 import sys
 import tempfile
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -226,6 +228,21 @@ FIELDS = dict(model=dict, model_args=dict, optimizers=[dict(state=dict, param_gr
               rng=dict(torch=torch.Tensor, cuda=(torch.Tensor, type(None))), digest=str)
 
 
+# torch.save writes a zip archive: its first bytes a zip's, its last its central directory's end
+ZIP_START = b"PK\x03\x04"
+
+
+def unreadable(path, start, size):
+    """What is wrong with a file of size bytes, starting with start, that torch.load cannot read: a
+    checkpoint's start without its end (a save killed, a copy cut short), or no checkpoint at all."""
+    if size == 0:
+        return "empty (0 bytes), so not a checkpoint; restore it from a copy or train it again"
+    if start == ZIP_START and not zipfile.is_zipfile(path):
+        return (f"truncated after {size:,} bytes: a checkpoint's start without its end (a save or a copy cut "
+                "short); restore it from a whole copy or train it again")
+    return "not a PyTorch checkpoint"
+
+
 # The files whose digest this process has checked, and found right: analyze.py reads a
 # conversion's source checkpoint once for every run converted from it
 VERIFIED = {}
@@ -246,17 +263,19 @@ def load_checkpoint(path, device="meta", needs=()):
     try:
         info = os.stat(path)
         # a FIFO or a device would block the read or never end: only a regular file is a checkpoint
-        if stat.S_ISREG(info.st_mode):
-            ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        if not stat.S_ISREG(info.st_mode):
+            raise bad("not a regular file, so not a checkpoint")
+        with open(path, "rb") as f:  # the file system's refusals (no permission), apart from the contents'
+            start = f.read(len(ZIP_START))
     except OSError as e:
         raise bad(e.strerror) from None
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError:
         raise bad("refused: it holds Python objects that loading with weights_only=True does not "
                   "allow") from None
-    except Exception:  # what else torch.load raises (mostly RuntimeError) says the file is no checkpoint
-        raise bad("not a PyTorch checkpoint") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise bad("not a regular file, so not a checkpoint")
+    except Exception:  # what else torch.load raises (a RuntimeError, an OSError) says the contents are wrong
+        raise bad(unreadable(path, start, info.st_size)) from None
     identity = (os.path.realpath(path), info.st_ino, info.st_size, info.st_mtime_ns)
     if not isinstance(ckpt, dict):
         raise bad(f"not a train.py checkpoint: it holds a {type(ckpt).__name__}, not a dict")
@@ -305,8 +324,9 @@ def restore(checkpoint, model, optimizers, device):
 
 # The log's format: log appends one record a line to out_dir/log.jsonl, read_log reads them back.
 # Training records hold step and loss (and lr, timings), evaluation records step and val_loss (and
-# val_bpb, and each layer's effective_rank and effective_rank_centered, and with --eval_tasks the
-# tasks' scores; a log from before those were logged has none).
+# val_bpb, and each layer's effective_rank and effective_rank_centered, None for a variant whose heads
+# give no maps of x, and with --eval_tasks the tasks' scores; a log from before those were logged has
+# none).
 def log(out_dir, record, line):
     """Print line and append record, whole or not at all: a failed append (a full disk) is cut
     back to the log as it was and raised as a WriteError."""
@@ -327,16 +347,19 @@ def log(out_dir, record, line):
 
 
 def log_eval(out_dir, step, val_loss, val_bpb, ranks, tasks=None):
-    """An evaluation's record: its losses and ranks, diversity.layer_ranks of the weights evaluated,
+    """An evaluation's record: its losses and ranks, diversity.layer_ranks of the weights evaluated (None
+    where the heads give no maps of x),
     and with train.py --eval_tasks the tasks' scores, {name: {"metric", "value", "chance"}}."""
-    means = [sum(ranks[key]) / len(ranks[key]) for key in ("effective_rank", "effective_rank_centered")]
+    if ranks["effective_rank"] is None:  # diversity.no_head_maps, which train.py said when it started
+        rank = "effective rank none (no maps of x)"
+    else:
+        means = [sum(ranks[key]) / len(ranks[key]) for key in ("effective_rank", "effective_rank_centered")]
+        rank = f"effective rank, mean over layers, {means[0]:.2f} (centred {means[1]:.2f})"
     scores = "".join(f" | {name} {r['metric']} {r['value']:.4f}" for name, r in (tasks or {}).items())
     record = dict(step=step, val_loss=val_loss, val_bpb=val_bpb, **ranks)
     if tasks:
         record["tasks"] = tasks
-    log(out_dir, record,
-        f"step {step} | val loss {val_loss:.4f} | val bpb {val_bpb:.4f} | effective rank, mean over "
-        f"layers, {means[0]:.2f} (centred {means[1]:.2f}){scores}")
+    log(out_dir, record, f"step {step} | val loss {val_loss:.4f} | val bpb {val_bpb:.4f} | {rank}{scores}")
 
 
 def read_log(out_dir):

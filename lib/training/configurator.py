@@ -3,12 +3,16 @@ Flags and presets, as train.py and plan.py read them: every field of the config 
 --name=value flag, and a positional argument is a preset, a Python file assigning field names,
 applied before the flags. Any mistake is a ConfigError, reported as one line. Beside them, what
 every script shares in reading its input: ArgumentParser, whose errors are one line, and
-check_fields, which checks a record read from a file (meta.json, a checkpoint) field by field.
+check_fields, which checks a record read from a file (meta.json, a checkpoint) field by field; and
+in ending, run_main, which turns a reader that closed the script's output early into a quiet exit.
 """
 
 import argparse
 import dataclasses
 import difflib
+import os
+import select
+import signal
 import sys
 import typing
 from pathlib import Path
@@ -29,6 +33,31 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         sys.exit(2)
+
+
+def run_main(main):
+    """main()'s exit code, for a script's `sys.exit(run_main(main))`; or, where its stdout is a pipe
+    whose reader has gone (`python eval.py --list | head -n 1`), 141 and no traceback: what a shell
+    reports for a Unix tool that SIGPIPE ends at its next write (Python ignores SIGPIPE, so the
+    write raises BrokenPipeError instead). What stdout still buffers is flushed here, so that the
+    pipe's end is met inside; then stdout points at /dev/null, so that Python's flush at exit writes
+    nowhere. A BrokenPipeError from another pipe is raised as it is."""
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        if not reader_gone(sys.stdout):
+            raise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+    return code
+
+
+def reader_gone(stream):
+    """Whether stream writes into a pipe (or socket) whose reading end is closed: poll's POLLERR."""
+    poller = select.poll()
+    poller.register(stream.fileno(), select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
 
 
 def seed(text):
