@@ -26,8 +26,8 @@ from model import GroupedQueryAttention, LowRankKVAttention, MultiHeadLatentAtte
 
 
 def registered(table, attn):
-    """A table keyed by variant class (here, decode.py's STEPS, convert.py's LOAD_HEAD_KV_WEIGHTS): its
-    entry for attn's class, else for the nearest parent that has one (along the MRO), else None."""
+    """A table keyed by variant class (the three below): its entry for attn's class, else for the nearest
+    parent that has one (along the MRO), else None."""
     return next((table[cls] for cls in type(attn).__mro__ if cls in table), None)
 
 
