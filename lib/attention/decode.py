@@ -131,9 +131,9 @@ def reference_step(attn, q, cached, rope, mask, reader=None):
     reading layer's attend (reader's; attn's where None) over the positions that mask allows:
     (B, 1, H, d_v). Where that is model.Attention's, training's softmax(q_h . k_{h,s} / sqrt(d_qk)) v,
     it is written out here for one query, query head h reading key head h G // H (SDPA's kernel with a
-    mask ran slower for one query on a CPU, in the fixed-shape path); else the reader's own attend, with the keys and
-    values of a position the mask hides zeroed first: an empty slot of a fixed-shape cache may rebuild
-    to 0 / 0 (a cached key RMS of 0), which SDPA would spread through the softmax."""
+    mask ran slower for one query on a CPU, in the fixed-shape path); else the reader's own attend, with
+    the keys and values of a position the mask hides zeroed first: an empty slot of a fixed-shape cache
+    may rebuild to 0 / 0 (a cached key RMS of 0), which SDPA would spread through the softmax."""
     k, v = attn.cached_keys_values(rope, **cached)  # (B, S, G, d_qk), (B, S, G, d_v)
     reader = reader or attn
     if type(reader).attend is not Attention.attend:

@@ -50,6 +50,9 @@ def head_key_weights(attn):
 
 
 def head_qk_grams(attn, pair_products):
+    if not has_head_maps(attn):
+        raise ValueError(f"{type(attn).__name__}'s heads give no maps of x (no entry in "
+                         "lib/attention/heads.py)")
     own = registered(HEAD_QK_GRAMS, attn)
     if own is not None:
         return own(attn)
