@@ -256,6 +256,10 @@ def export(ckpt, model, tok, native, files, folder, command):
     GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot,
                      suppress_tokens=padding or None).save_pretrained(folder)
     tokenizer(tok, c.block_size, native).save_pretrained(folder)
+    if not native:  # the tokenizer's class is the folder's own too, which says which transformers it needs
+        record = json.loads((folder / "tokenizer_config.json").read_text())
+        record["auto_map"] = {"AutoTokenizer": [None, "modeling_lrkv.LRKVTokenizer"]}
+        (folder / "tokenizer_config.json").write_text(json.dumps(record, indent=2) + "\n")
     (folder / "README.md").write_text(card(ckpt, model, tok, native, command))
     shutil.copyfile(REPO / "LICENSE", folder / "LICENSE")
 

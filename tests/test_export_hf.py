@@ -8,6 +8,7 @@ as `lm_eval --model hf` and as a library, scores our log-likelihoods; MHA, GQA a
 transformers' own NanoChatForCausalLM, without remote code, and so does LRKV with --native; the
 tokenizers encode as the data's; bad input is one line and exit code 2 with nothing written."""
 
+import copy
 import dataclasses
 import errno
 import functools
@@ -510,23 +511,122 @@ def test_sdpa_automodel_and_hidden_states(build):
         torch.testing.assert_close(out.hidden_states[-1], final, atol=1e-5, rtol=0)
 
 
-def test_gradient_checkpointing_gives_the_same_gradients(build):
-    """gradient_checkpointing_enable() recomputes each block in the backward: the loss and every
-    gradient as without it, through the training path (no cache, no pad)."""
+def our_loss_and_gradients(exported, hf, ids, real=None):
+    """Our GPT with hf's weights: the loss of predicting every row's tokens ids (B, T) after the first, read
+    after end-of-text (real (B, T): not a pad; each row alone, its pads dropped, the first token scored too
+    where a pad stands before it, the loss the mean over all rows' predictions), and each weight's gradient
+    under hf's name."""
+    ours = copy.deepcopy(exported.model).train()
+    ours.load_state_dict({name.removeprefix("model.gpt_model."): w for name, w in hf.state_dict().items()})
+    real = torch.ones_like(ids, dtype=torch.bool) if real is None else real
+    losses, scored = [], 0
+    for row, mask in zip(ids, real):  # GPT's own loss: a target -1 is not scored
+        row, padded = row[mask], not bool(mask.all())
+        first = row[:1] if padded else torch.tensor([-1])
+        idx, targets = torch.cat((torch.tensor([EOT]), row[:-1]))[None], torch.cat((first, row[1:]))[None]
+        losses.append(ours(idx, targets)[1] * (len(row) - 1 + padded))
+        scored += len(row) - 1 + padded
+    loss = sum(losses) / scored
+    loss.backward()
+    return loss.detach(), {f"model.gpt_model.{name}": p.grad for name, p in ours.named_parameters()}
+
+
+def assert_equal_to_ours(exported, hf, ids, loss, real=None):
+    ours, grads = our_loss_and_gradients(exported, hf, ids, real)
+    torch.testing.assert_close(loss.detach(), ours, atol=1e-5, rtol=0)
+    for name, p in hf.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], atol=1e-5, rtol=0, msg=name)
+
+
+def test_training_forward_with_checkpointing_and_no_use_cache(build):
+    """A training forward as transformers users write it, no use_cache argument: no cache kept while the model
+    trains; with gradient_checkpointing_enable() each block is recomputed in the backward (its attention runs
+    twice); the loss first in the output (out[0], out["loss"]) and in return_dict=False's tuple; the loss and
+    every gradient our GPT's, on a batch without pads and on a left-padded one (each row as alone, its pads'
+    labels -100, its first token predicted by the pad before it as by the end-of-text), and the same again
+    after gradient_checkpointing_disable()."""
     lrkv = build("lrkv", 1)
     hf = AutoModelForCausalLM.from_pretrained(lrkv.out, trust_remote_code=True).train()
-    ids = lrkv.tok([PROMPTS[0][:12]] * 2, return_tensors="pt")["input_ids"]
-    grads = []
-    for checkpointing in (False, True):
-        (hf.gradient_checkpointing_enable if checkpointing else hf.gradient_checkpointing_disable)()
-        assert hf.is_gradient_checkpointing == checkpointing
-        hf.zero_grad()
-        loss = hf(ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        grads.append((loss.detach(), [p.grad.clone() for p in hf.parameters()]))
-    torch.testing.assert_close(grads[0][0], grads[1][0])
-    for a, b in zip(grads[0][1], grads[1][1]):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    ids = lrkv.tok([PROMPTS[0][:12], PROMPTS[0][5:17]], return_tensors="pt")["input_ids"]
+    padded = lrkv.tok(PROMPTS, padding=True, return_tensors="pt")
+    labels = padded["input_ids"].masked_fill(padded["attention_mask"] == 0, -100)
+    runs = []
+    hf.model.gpt_model.blocks[0].attn.register_forward_pre_hook(lambda module, args: runs.append(1))
+    for checkpointing in (True, False):
+        hf.gradient_checkpointing_enable() if checkpointing else hf.gradient_checkpointing_disable()
+        assert hf.gradient_checkpointing == checkpointing
+        for batch, real in ((dict(input_ids=ids, labels=ids), None),
+                            (dict(**padded, labels=labels), padded["attention_mask"].bool())):
+            hf.zero_grad()
+            runs.clear()
+            out = hf(**batch)
+            assert list(out.keys()) == ["loss", "logits"] and out[0] is out["loss"] is out.loss
+            out.loss.backward()
+            assert len(runs) == 1 + checkpointing
+            assert_equal_to_ours(lrkv, hf, batch["input_ids"], out.loss, real)
+        as_tuple = hf(ids, labels=ids, return_dict=False)
+        assert isinstance(as_tuple, tuple) and len(as_tuple) == 2
+        torch.testing.assert_close(as_tuple[0], out.loss.new_tensor(our_loss_and_gradients(lrkv, hf, ids)[0]),
+                                   atol=1e-5, rtol=0)
+    hf.eval()
+    with torch.no_grad():
+        assert cache_of(hf(ids)) is not None  # outside training the cache is kept, as generate wants it
+        assert tuple(type(x).__name__ for x in hf(ids, return_dict=False)) == ("Tensor", "LRKVCache")
+
+
+@pytest.mark.parametrize("attn", ["lrkv", "mla"])
+def test_trainer_with_gradient_checkpointing_gives_our_loss_and_gradients(build, attn, tmp_path):
+    """transformers' Trainer, gradient_checkpointing=True, 3 steps of 2 rows: at every step, before the
+    optimizer moves the weights, the loss and every gradient are our GPT's on the same batch (1e-5), and
+    each block ran twice (checkpointed)."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    exported = build(attn, 1)
+    hf = AutoModelForCausalLM.from_pretrained(exported.out, trust_remote_code=True)
+    text = (PROMPTS[0] * 4).encode()
+    data = [dict(input_ids=torch.tensor([*text[i:i + 16]]), labels=torch.tensor([*text[i:i + 16]]))
+            for i in range(6)]
+    seen, runs, checked = [], [], []
+    hf.register_forward_hook(lambda module, args, kwargs, out: seen.append((kwargs["input_ids"], out.loss)),
+                             with_kwargs=True)
+    hf.model.gpt_model.blocks[0].attn.register_forward_pre_hook(lambda module, args: runs.append(1))
+
+    class Check(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            ids, loss = seen[-1]
+            assert_equal_to_ours(exported, hf, ids, loss)
+            checked.append(len(runs))
+
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2,
+                             gradient_checkpointing=True, learning_rate=1e-2, max_grad_norm=0, report_to="none",
+                             save_strategy="no", logging_strategy="no", use_cpu=True, disable_tqdm=True)
+    Trainer(model=hf, args=args, train_dataset=data, callbacks=[Check()]).train()
+    assert checked == [2, 4, 6] and len(seen) == 3
+
+
+@torch.no_grad()
+def test_resize_token_embeddings_and_what_the_model_refuses(build, tmp_path):
+    """resize_token_embeddings: the vocabulary grows, the old tokens' logits unchanged; config.json's model_args
+    follow, and the folder saved and loaded again gives the same logits. inputs_embeds, output_attentions and
+    any other argument that asks something: one line each."""
+    lrkv = build("lrkv", 1)
+    hf = AutoModelForCausalLM.from_pretrained(lrkv.out, trust_remote_code=True).eval()
+    ids = ids_of(lrkv, PROMPTS[0])
+    before = hf(ids).logits
+    hf.resize_token_embeddings(BYTES + 44)
+    after = hf(ids).logits
+    assert after.shape[-1] == hf.config.vocab_size == hf.config.model_args["vocab_size"] == BYTES + 44
+    torch.testing.assert_close(after[..., :BYTES], before, atol=1e-6, rtol=0)
+    hf.save_pretrained(tmp_path / "resized")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "resized", trust_remote_code=True)
+    torch.testing.assert_close(again(ids).logits, after, atol=0, rtol=0)
+    for kwargs, message in [(dict(inputs_embeds=hf.get_input_embeddings()(ids)), r"takes input_ids, not inputs_embeds"),
+                            (dict(input_ids=ids, output_attentions=True), r"gives no attention weights \(output_att"),
+                            (dict(input_ids=ids, head_mask=torch.ones(4)), r"takes no head_mask$")]:
+        for model in (hf, hf.model):
+            with pytest.raises(ValueError, match=rf"^this model {message}") as error:
+                model(**kwargs)
+            assert "\n" not in str(error.value)
 
 
 @torch.no_grad()
@@ -759,8 +859,8 @@ def test_a_bad_end_of_text_or_variant_is_refused(build, tmp_path):
 
 def test_too_old_a_transformers_is_one_line(build):
     """The folder's code says which transformers it needs, in one line, where an older one imports it
-    (its import calls check_transformers with transformers' version); the version is requirements-hf.txt's
-    lowest."""
+    (its import calls check_transformers with transformers' version), for the model and for the tokenizer,
+    whose class it holds; the version is requirements-hf.txt's lowest."""
     lrkv = build("lrkv", 2)
     module = sys.modules[type(lrkv.hf).__module__]
     low = re.search(r"transformers>=([0-9.]+)", export_hf.transformers_requirement()).group(1)
@@ -769,6 +869,10 @@ def test_too_old_a_transformers_is_one_line(build):
     with pytest.raises(ImportError, match=message):
         module.check_transformers("4.57.3")
     module.check_transformers(transformers.__version__)
+    # the tokenizer's class is the same file's (tokenizer_config.json's auto_map), so that too stops there
+    assert type(lrkv.tok).__module__ == type(lrkv.hf).__module__
+    record = json.loads((lrkv.out / "tokenizer_config.json").read_text())
+    assert record["auto_map"] == {"AutoTokenizer": [None, "modeling_lrkv.LRKVTokenizer"]}
 
 
 # export_hf.py's own failures: a full disk, a folder it cannot write, a tokenizer record of another age,
