@@ -96,7 +96,7 @@ def main(argv=None):
     remove_stale(out)
     command = shlex.join(["python", "export_hf.py", *(argv if argv is not None else sys.argv[1:])])
     try:
-        write_atomically(out, lambda folder: export(ckpt, model, tok, native, files, folder, command))
+        write_atomically(out, lambda folder: export(ckpt, model, tok, native, files, folder, command, out))
     except OSError as e:  # a folder on the way is a file, or read-only; a full disk
         where = f" ({e.filename})" if e.filename else ""
         print(f"export_hf.py: {out}: cannot be written: {e.strerror or e}{where}; nothing was written",
@@ -229,7 +229,7 @@ def write_atomically(out, write):
         raise
 
 
-def export(ckpt, model, tok, native, files, folder, command):
+def export(ckpt, model, tok, native, files, folder, command, out):
     """Write the model, its code (remote code), the tokenizer, the card and the licence into folder."""
     # imported here, not at the top: most bad input is refused before transformers' seconds of import
     from safetensors.torch import save_file
@@ -260,7 +260,7 @@ def export(ckpt, model, tok, native, files, folder, command):
         record = json.loads((folder / "tokenizer_config.json").read_text())
         record["auto_map"] = {"AutoTokenizer": [None, "modeling_lrkv.LRKVTokenizer"]}
         (folder / "tokenizer_config.json").write_text(json.dumps(record, indent=2) + "\n")
-    (folder / "README.md").write_text(card(ckpt, model, tok, native, command))
+    (folder / "README.md").write_text(card(ckpt, model, tok, native, command, out))
     shutil.copyfile(REPO / "LICENSE", folder / "LICENSE")
 
 
@@ -423,41 +423,87 @@ def layout(c):
     return f"- Windows: {seen}.\n- Keys and values: {shared}."
 
 
-def card(ckpt, model, tok, native, command):
-    """README.md: the Hub's YAML header (licence, library, pipeline, tags), then what the model is, how it
-    loads, what it caches and how it was made."""
+SHAPE = ("n_layer", "n_head", "head_dim", "n_embd", "vocab_size", "block_size")  # every variant's
+LAYOUT = ("cla", "yoco", "window", "window_pattern")  # the card's layout lines say these
+
+
+def own_fields(c):
+    """The integer fields of GPTConfig c, beside SHAPE's and LAYOUT's, that the variant reads: those some
+    change of which (up or down) changes the shapes of its weights or of its cache (on the meta device)."""
+    from model import GPT
+
+    def shapes(config):
+        with torch.device("meta"):
+            gpt = GPT(config)
+        return {n: tuple(w.shape) for n, w in gpt.state_dict().items()}, gpt.kv_cache_bytes(1, 1)
+
+    found, made = [], shapes(c)
+    for field in dataclasses.fields(c):
+        value = getattr(c, field.name)
+        if field.name in SHAPE + LAYOUT or type(value) is not int:
+            continue
+        for other in (2 * value, value + 1, value - 1, value // 2):
+            try:
+                if shapes(dataclasses.replace(c, **{field.name: other})) != made:
+                    found.append(field.name)
+                    break
+            except ValueError:  # a value the variant refuses
+                continue
+    return found
+
+
+def card(ckpt, model, tok, native, command, out):
+    """README.md: the Hub's YAML header (licence, library, pipeline, tags), then what the model is (its own
+    fields), how it loads (a snippet for the folder at out), what it caches, its limits and how it was made."""
     c, cfg = model.config, ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {}
     meta = ckpt["tokenizer"] if isinstance(ckpt.get("tokenizer"), dict) else {}
-    shape = ["n_layer", "n_head", "head_dim", "n_embd", "vocab_size", "block_size"]
-    defaults = {field.name: field.default for field in dataclasses.fields(c)}
-    knobs = [f"{k} {v}" for k, v in dataclasses.asdict(c).items()
-             if k not in shape + ["attn"] and v != defaults[k]]
-    per_token = {dtype: model.kv_cache_bytes(1, 1, dtype) for dtype in (torch.bfloat16, torch.float32)}
-    mha_bytes = 2 * c.n_layer * c.n_embd * 2  # the native LRKV's: every head's key and value, in bf16
+    dtype = next(model.parameters()).dtype
+    dtypes = [dtype] + [torch.bfloat16] * (dtype != torch.bfloat16)  # the weights' and bf16
+    names = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16", torch.float64: "fp64"}
+
+    def in_dtypes(per_dtype):  # "N bytes per token in fp32, M in bf16"
+        return ", ".join(f"{per_dtype(d):,}{' bytes per token' * (i == 0)} in {names[d]}"
+                         for i, d in enumerate(dtypes))
+
     requirement = transformers_requirement()
+    trust = "" if native else ", trust_remote_code=True"
+    limits = [f"The context: {c.block_size - (not native)} tokens of a sequence's own"
+              + ("" if native else f" (block_size {c.block_size}, one of them the end-of-text every sequence "
+                 "is read after); a longer sequence is refused in one line")]
     if native:
         load = "from_pretrained(folder)`, no remote code: transformers' NanoChatForCausalLM"
-        cache = (f"transformers' DynamicCache, {per_token[torch.bfloat16]:,} bytes per token in bf16"
-                 if c.attn != "lrkv" else
-                 f"transformers' DynamicCache of every head's full key and value, {mha_bytes:,} bytes "
-                 f"per token in bf16 (MHA's), not LRKV's {per_token[torch.bfloat16]:,}: export without "
-                 "--native to keep LRKV's cache")
+        held = (lambda d: model.kv_cache_bytes(1, 1, d)) if c.attn != "lrkv" else \
+            (lambda d: 2 * c.n_layer * c.n_embd * d.itemsize)  # every head's key and value: MHA's
+        cache = f"transformers' DynamicCache, {in_dtypes(held)}"
+        if c.attn == "lrkv":
+            cache += (f": every head's full key and value (MHA's), not LRKV's "
+                      f"{model.kv_cache_bytes(1, 1, dtypes[-1]):,} in bf16: export without --native to keep "
+                      "LRKV's cache")
         reading = (f"The tokenizer puts end-of-text (id {tok.eot_id}) before every text, as every training "
                    "document starts with it; so lm-eval's rolling log-likelihood scores that one token too "
                    "(export with --remote_code to read texts as this repository does)")
+        limits.append("transformers' own class: no code of the lrkv repository runs, so a config.json edited "
+                      "by hand but keeping every shape loads as another model")
     else:
         load = ("from_pretrained(folder, trust_remote_code=True)`, or `AutoModel`: the code beside this "
                 "card, the lrkv repository's model.py run through modeling_lrkv.py")
-        cache = (f"LRKVCache, what this repository's decoder caches: {per_token[torch.bfloat16]:,} bytes per "
-                 f"token in bf16, {per_token[torch.float32]:,} in fp32 (model.kv_cache_bytes)")
+        cache = (f"LRKVCache, what this repository's decoder caches: "
+                 f"{in_dtypes(lambda d: model.kv_cache_bytes(1, 1, d))} (model.kv_cache_bytes)")
         full = model.kv_cache_bytes(1, c.block_size, torch.bfloat16)
-        if full < c.block_size * per_token[torch.bfloat16]:
+        if full < c.block_size * model.kv_cache_bytes(1, 1, torch.bfloat16):
             cache += (f"; a layer whose readers all have a window keeps only its last {c.window} positions, "
                       f"so a whole context of {c.block_size} tokens holds {full:,} bytes in bf16, not "
-                      f"{c.block_size * per_token[torch.bfloat16]:,}")
+                      f"{c.block_size * model.kv_cache_bytes(1, 1, torch.bfloat16):,}")
+            limits.append("Its cache cannot be cropped (a window's ring forgets what it passes): assisted and "
+                          "prompt-lookup decoding are refused in one line")
         reading = (f"The model reads every sequence after an end-of-text (id {tok.eot_id}), as every "
                    "training document starts with one, and the tokenizer adds none: a text is scored and "
                    "continued as this repository's sample.py and eval.py do, by lm-eval too")
+        limits += ["It attends through SDPA, whatever `attn_implementation` asks; it takes `input_ids`, not "
+                   "`inputs_embeds`, and gives no attention weights (`output_attentions`): each refused in one "
+                   "line. Its cache is not a static one: `generate` does not compile it",
+                   "Trained through transformers (`Trainer`, gradient checkpointing), a left-padded row's first "
+                   "token is predicted by the pad before it, as by the end-of-text: give pads the label -100"]
     vocabulary = ("GPT-2's byte-pair encoding, 50,257 tokens (OpenAI, MIT licence)" if tok.name == "gpt2"
                   else "one token a byte, 256")
     steps, batch = ckpt.get("step"), cfg.get("batch_size")
@@ -465,8 +511,11 @@ def card(ckpt, model, tok, native, command):
     tokens = f", {steps * batch * c.block_size:,} tokens" if known else ""
     val = ckpt.get("val_loss")
     flags = layout_flags(c)
-    dimensions = ", ".join([f"{k} {getattr(c, k)}" for k in shape] + knobs)
+    own = own_fields(c)
+    dimensions = ", ".join(f"{k} {getattr(c, k)}" for k in SHAPE)
+    dimensions += (f"; its own: {', '.join(f'{k} {getattr(c, k)}' for k in own)}" if own else "")
     tags = "".join(f"- {tag}\n" for tag in ["lrkv", f"attention-{c.attn}", *(["custom_code"] * (not native))])
+    limitations = "".join(f"- {line}.\n" for line in limits)
     return f"""---
 license: mit
 library_name: transformers
@@ -476,7 +525,7 @@ tags:
 
 # {c.attn}{f" ({' '.join(flags)})" if flags else ""}: a GPT of the lrkv repository
 
-Attention `--attn={c.attn}`, {model.get_num_params():,} parameters: {dimensions}.
+Attention `--attn={c.attn}`, {model.get_num_params():,} parameters in {names.get(dtype, dtype)}: {dimensions}; rope_theta {c.rope_theta}.
 
 - Load: `AutoModelForCausalLM.{load}; the tokenizer likewise, `AutoTokenizer`. Needs `{requirement}`.
 {layout(c)}
@@ -487,6 +536,19 @@ Attention `--attn={c.attn}`, {model.get_num_params():,} parameters: {dimensions}
 - Made by: `{command}`
 - Licence: MIT (LICENSE), the code and these weights.
 
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+folder = "{out}"
+model = AutoModelForCausalLM.from_pretrained(folder{trust})
+tok = AutoTokenizer.from_pretrained(folder{trust})
+ids = tok("def parse(text):", return_tensors="pt")
+print(tok.decode(model.generate(**ids, max_new_tokens=50, do_sample=False)[0]))
+```
+
+Limitations:
+
+{limitations}
 Log-likelihoods and greedy tokens equal the repository's model.py (docs/export.md).
 """
 

@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import errno
 import functools
+import inspect
 import json
 import math
 import os
@@ -256,7 +257,35 @@ def test_the_folder_runs_the_repositorys_code(exported):
     assert card.startswith("---\nlicense: mit\nlibrary_name: transformers\npipeline_tag: text-generation\n")
     assert f"--attn={exported.attn}" in card and "export_hf.py" in card
     assert export_hf.transformers_requirement() in card
+    assert_card_names_the_variants_own_fields(exported, card)
     assert (exported.out / "LICENSE").read_text() == (REPO / "LICENSE").read_text()
+
+
+# the fields each variant of the issue that asked for them reads, beyond every model's shape
+OWN_FIELDS = {"mha": set(), "lrkv": {"lrkv_rank"}, "mla": {"kv_lora_rank", "rope_head_dim"},
+              "tpa": {"tpa_q_rank", "tpa_kv_rank"}}
+
+
+def assert_card_names_the_variants_own_fields(exported, card):
+    """The card's own fields: each one its attention class (or a class it derives from) reads from the config,
+    with the checkpoint's value (OWN_FIELDS' exactly); the cache bytes per token in the weights' dtype, fp32,
+    and in bf16; a snippet loading this folder; its limitations, the context first."""
+    model = exported.model
+    listed = re.search(r"; its own: (.*?); rope_theta ", card)
+    listed = dict(pair.split(" ") for pair in listed.group(1).split(", ")) if listed else {}
+    attention = type(model.blocks[0].attn)
+    read = {name for cls in attention.__mro__ if issubclass(cls, model_module.Attention)
+            for name in re.findall(r"config\.(\w+)", inspect.getsource(cls))}
+    assert set(listed) <= read - set(export_hf.SHAPE), listed
+    assert listed == {name: str(exported.model_args[name]) for name in listed}
+    if exported.attn in OWN_FIELDS:
+        assert set(listed) == OWN_FIELDS[exported.attn], card
+    per_token = [model.kv_cache_bytes(1, 1, dtype) for dtype in (torch.float32, torch.bfloat16)]
+    assert f"{per_token[0]:,} bytes per token in fp32, {per_token[1]:,} in bf16" in card
+    trust = "" if exported.native else ", trust_remote_code=True"
+    assert f'folder = "{exported.out}"\nmodel = AutoModelForCausalLM.from_pretrained(folder{trust})' in card
+    context = model.config.block_size - (not exported.native)
+    assert f"Limitations:\n\n- The context: {context} tokens of a sequence's own" in card
 
 
 @torch.no_grad()
@@ -275,6 +304,8 @@ def test_native_lrkv_equals_ours_with_mha_sized_cache(build):
     mha = 2 * c.n_layer * ids.size(1) * c.n_head * c.head_dim * 4  # every head's key and value, fp32
     assert cache_bytes(cache) == mha
     assert cache_bytes(cache) > model.kv_cache_bytes(1, ids.size(1), torch.float32)
+    card = (lrkv.out / "README.md").read_text()  # MHA's bytes per token, in the weights' fp32 and in bf16
+    assert f"DynamicCache, {mha // ids.size(1):,} bytes per token in fp32, {mha // ids.size(1) // 2:,} in bf16" in card
 
 
 # Sliding windows and shared keys: remote code for every variant, MHA's included. Every variant
