@@ -53,7 +53,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-VARIANTS = ("mha", "mqa", "gqa", "mla", "lrkv", "gta", "gla", "tpa", "mlra")
+VARIANTS = tuple(model_module.VARIANTS)  # every variant the repository names, a new one included
 NATIVE = ("mha", "mqa", "gqa")  # with cla=1: transformers' NanoChatForCausalLM
 # Every knob small; block_size fits a prompt and 40 new tokens, so that our generate never restarts its
 # context
@@ -243,8 +243,8 @@ def test_the_folder_runs_the_repositorys_code(exported):
         assert modeling.startswith((REPO / "hf" / "modeling_lrkv.py").read_text())
         files = {"model": REPO / "model.py", "ring": REPO / "lib/attention/ring.py",
                  "layout": REPO / "lib/attention/layout.py"}
-        if exported.attn in ("gta", "gla", "tpa", "mlra"):
-            files["rivals"] = REPO / "lib/attention/rivals.py"
+        own = Path(inspect.getsourcefile(model_module.attention_class(exported.attn)))  # the variant's file
+        files.setdefault(own.stem, own)
         assert sorted(p.stem for p in exported.out.glob("*.py")) == sorted([*files, "modeling_lrkv"])
         for name, source in files.items():
             ours = source.read_text().splitlines()
@@ -703,6 +703,43 @@ def test_a_variant_defined_only_in_a_test_exports(data_dir, tmp_path, monkeypatc
     with torch.no_grad():
         ours = model(torch.cat((torch.full_like(ids[:, :1], EOT), ids), 1))[0][:, 1:]
         torch.testing.assert_close(hf(ids).logits, ours, atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+def full_forward_greedy(model, ids, new_tokens):
+    """Our greedy tokens (1, new_tokens) after ids (1, T), read after end-of-text, each the argmax of our
+    GPT's full forward over all before it: no cache, no decoding path."""
+    idx = torch.cat((torch.full_like(ids[:, :1], EOT), ids), 1)
+    for _ in range(new_tokens):
+        idx = torch.cat((idx, model(idx)[0][:, -1:].argmax(-1)), 1)
+    return idx[:, ids.size(1) + 1:]
+
+
+@pytest.mark.parametrize("layout", ["plain", "cla2", "window-cla2-yoco"])
+def test_a_variant_with_its_own_softmax_exports_equal(data_dir, tmp_path, monkeypatch, layout):
+    """tests/variants.py's ScaledSoftmaxAttention (LRKV whose softmax has a learned temperature per head,
+    times 1 + layer / 4: an attend of its own, which a layer reading another's keys must use), registered
+    under an --attn name for this test alone: trained, exported and loaded, plain, with --cla=2 and with
+    windows, --cla=2 and --yoco, its logits are ours (1e-5) and its greedy tokens our full forward's."""
+    from variants import ScaledSoftmaxAttention
+
+    monkeypatch.setitem(model_module.VARIANTS, "lrkv_scaled_softmax_test", ScaledSoftmaxAttention)
+    run, out = tmp_path / "run", tmp_path / "hf"
+    knobs = {"plain": {}, "cla2": dict(cla=2), **LAYOUTS}[layout]
+    flags = {**TINY, **knobs, "attn": "lrkv_scaled_softmax_test", "data_dir": data_dir, "out_dir": run,
+             "optimizer": "adamw"}  # tau is no matrix: Muon takes matrices only
+    assert train.main([f"--{k}={v}" for k, v in flags.items()]) == 0
+    assert export_hf.main([str(run / "ckpt.pt"), str(out)]) == 0
+    hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    _, model = load_checkpoint(run / "ckpt.pt", "cpu")
+    model.eval()
+    assert type(hf.model.gpt_model.blocks[1].attn).__name__ == "ScaledSoftmaxAttention"
+    ids = torch.tensor([[*PROMPTS[0].encode()]])
+    with torch.no_grad():
+        ours = model(torch.cat((torch.full_like(ids[:, :1], EOT), ids), 1))[0][:, 1:]
+        torch.testing.assert_close(hf(ids).logits, ours, atol=1e-5, rtol=0)
+        greedy = hf.generate(ids, max_new_tokens=NEW_TOKENS // 2, do_sample=False)[:, ids.size(1):]
+    assert torch.equal(greedy, stop_at_eot(full_forward_greedy(model, ids, NEW_TOKENS // 2)))
 
 
 def test_a_variant_whose_file_imports_what_a_folder_cannot_hold_is_one_line(build, tmp_path, monkeypatch,
