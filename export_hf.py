@@ -29,6 +29,7 @@ on stderr and exit code 2. docs/export.md says more.
 import ast
 import base64
 import dataclasses
+import hashlib
 import inspect
 import json
 import os
@@ -70,7 +71,16 @@ def transformers_requirement():
 
 
 def main(argv=None):
-    """Export; the exit code: 0 done, 2 bad input."""
+    """Export; the exit code: 0 done, 2 bad input, 130 interrupted (Ctrl-C), nothing left behind."""
+    try:
+        return export_checkpoint(argv)
+    except KeyboardInterrupt:  # write_atomically has removed what it wrote
+        print("export_hf.py: interrupted; nothing was written", file=sys.stderr)
+        return 130
+
+
+def export_checkpoint(argv):
+    """main's work: the exit code, 0 done, 2 bad input."""
     parser = ArgumentParser(prog="export_hf.py", description=__doc__.strip().split("\n\n")[0])
     parser.add_argument("ckpt", help="a ckpt.pt written by train.py")
     parser.add_argument("out_dir", help="the folder to write: it must not exist, or be empty")
@@ -88,6 +98,7 @@ def main(argv=None):
             raise ConfigError(f"{out}: exists and is not an empty folder; give another OUT_DIR")
         ckpt, model = load_checkpoint(args.ckpt, "cpu")
         tok = load_tokenizer(args.ckpt, ckpt)
+        say_an_older_tokenizer_record(args.ckpt, ckpt["tokenizer"], tok)
         native = check(args.ckpt, tok, model.config, args.native, args.remote_code)
         files = {} if native else model_files(model.config)
     except ConfigError as e:
@@ -112,6 +123,18 @@ def main(argv=None):
             else "LRKVForCausalLM (remote code, trust_remote_code=True)")
     print(f"{out}: {model.config.attn} as {kind}, in {time.perf_counter() - t0:.1f} s")
     return 0
+
+
+def say_an_older_tokenizer_record(path, record, tok):
+    """One line on stderr where the checkpoint's tokenizer record (its data's meta.json) lacks the vocabulary
+    size or the end-of-text id, or has them of another type or value than the tokenizer of its name: the
+    export takes that tokenizer's, as sample.py reads such a record."""
+    lacking = [f"{field}={record.get(field)!r}" for field, ours in (("vocab_size", tok.vocab_size),
+                                                                  ("eot_id", tok.eot_id))
+               if type(record.get(field)) is not int or record[field] != ours]
+    if lacking:
+        print(f"export_hf.py: {path}: its tokenizer record has {', '.join(lacking)}: exported as the "
+              f"{tok.name!r} tokenizer's, {tok.vocab_size} tokens, end-of-text id {tok.eot_id}", file=sys.stderr)
 
 
 def check(path, tok, config, native, remote_code):
@@ -244,18 +267,27 @@ def export(ckpt, model, tok, native, files, folder, command, out):
         for name, text in sources.items():
             (folder / f"{name}.py").write_text(text)
         (folder / "modeling_lrkv.py").write_text(modeling_file(sources))
-        write_config(folder, c, eot, variant, next(model.parameters()).dtype)
+        code = {file.name: hashlib.sha256(file.read_bytes()).hexdigest() for file in sorted(folder.glob("*.py"))}
+        write_config(folder, c, eot, variant, next(model.parameters()).dtype, code)
         weights = {f"model.gpt_model.{name}": w.contiguous() for name, w in model.state_dict().items()}
-        # the weights record the model_args they were exported with: the folder's code refuses a config.json
-        # that differs, naming the field, rather than build another model around them
+        # the weights record the model_args they were exported with (and their SHA-256) and the code files'
+        # SHA-256: the folder's code refuses a config.json that differs, naming the field, rather than build
+        # another model around them, and a code file whose digest is not config.json's, naming the file
+        model_args = json.dumps(dataclasses.asdict(c))
         save_file(weights, folder / "model.safetensors",
-                  metadata={"format": "pt", "model_args": json.dumps(dataclasses.asdict(c))})
+                  metadata={"format": "pt", "model_args": model_args, "code_sha256": json.dumps(code),
+                            "model_args_sha256": hashlib.sha256(model_args.encode()).hexdigest()})
     # generate stops at end-of-text, as sample.py does, and draws no id the tokenizer lacks (a
     # vocabulary padded for fast matmuls: GPT-2's 50257 tokens in 50304 rows)
     padding = list(range(tok.vocab_size, c.vocab_size))
     GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot,
                      suppress_tokens=padding or None).save_pretrained(folder)
-    tokenizer(tok, c.block_size, native).save_pretrained(folder)
+    try:
+        tokenizer(tok, c.block_size, native).save_pretrained(folder)
+    except Exception as e:  # the tokenizers library raises a bare Exception for an OS error, a full disk's too
+        if type(e) is not Exception:
+            raise
+        raise OSError(" ".join(str(e).split())) from None
     if not native:  # the tokenizer's class is the folder's own too, which says which transformers it needs
         record = json.loads((folder / "tokenizer_config.json").read_text())
         record["auto_map"] = {"AutoTokenizer": [None, "modeling_lrkv.LRKVTokenizer"]}
@@ -264,14 +296,15 @@ def export(ckpt, model, tok, native, files, folder, command, out):
     shutil.copyfile(REPO / "LICENSE", folder / "LICENSE")
 
 
-def write_config(folder, c, eot, variant, dtype):
+def write_config(folder, c, eot, variant, dtype, code):
     """config.json of the remote code: the checkpoint's model_args, which model.GPTConfig checks when the
-    folder loads, the end-of-text it reads every sequence after, and where the variant's class is."""
+    folder loads, the end-of-text it reads every sequence after, where the variant's class is, and code,
+    {file: SHA-256} of the folder's code, which it checks too."""
     import transformers
     config = {"architectures": ["LRKVForCausalLM"], "model_type": "lrkv",
               "auto_map": {"AutoConfig": "modeling_lrkv.LRKVConfig", "AutoModel": "modeling_lrkv.LRKVModel",
                            "AutoModelForCausalLM": "modeling_lrkv.LRKVForCausalLM"},
-              "model_args": dataclasses.asdict(c), "eot_id": eot, "variant": variant,
+              "model_args": dataclasses.asdict(c), "eot_id": eot, "variant": variant, "code_sha256": code,
               "bos_token_id": eot, "eos_token_id": eot, "pad_token_id": eot, "tie_word_embeddings": False,
               "dtype": str(dtype).removeprefix("torch."),
               "transformers_version": transformers.__version__}

@@ -21,7 +21,7 @@ only what transformers asks of a model, and says it where it does:
     included), and beam search, prompt lookup and assisted decoding reorder, repeat and crop it.
 """
 
-import functools
+import hashlib
 import inspect
 import json
 import re
@@ -76,8 +76,12 @@ class LRKVConfig(PreTrainedConfig):
 
     model_type = "lrkv"
 
-    def __init__(self, model_args=None, eot_id=None, variant=None, use_cache=True, **kwargs):
+    def __init__(self, model_args=None, eot_id=None, variant=None, code_sha256=None, use_cache=True, **kwargs):
         self.model_args, self.eot_id, self.variant, self.use_cache = model_args, eot_id, variant, use_cache
+        self.code_sha256 = code_sha256  # {file: SHA-256} of the folder's code, as the export wrote it
+        if code_sha256 is not None and not (isinstance(code_sha256, dict) and all(
+                re.fullmatch(r"\w+\.py", str(name)) and isinstance(d, str) for name, d in code_sha256.items())):
+            raise ValueError(f"config.json: code_sha256={code_sha256!r}: must be the code files' SHA-256 digests")
         if model_args is not None:  # what transformers makes with no arguments is never a model's
             self.gpt_config()  # refused here, at load, in one line
         kwargs.setdefault("tie_word_embeddings", False)
@@ -306,6 +310,7 @@ class LRKVPreTrainedModel(PreTrainedModel):
             config = LRKVConfig.from_pretrained(pretrained_model_name_or_path, **where)
         weights = cached_file(pretrained_model_name_or_path, "model.safetensors", **where)
         check_weights(config, weights)
+        check_code(config, pretrained_model_name_or_path, where)
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     def _set_gradient_checkpointing(self, enable=True, gradient_checkpointing_func=checkpoint, every_n_layers=1):
@@ -344,12 +349,18 @@ def check_weights(config, path):
     another set of tensors, or of shapes, than the model of model_args, naming the fields that shape the
     first that differs."""
     with safetensors.safe_open(path, "pt") as f:
-        exported = json.loads((f.metadata() or {}).get("model_args", "null"))
+        metadata = f.metadata() or {}
         theirs = {name.removeprefix("model.gpt_model."): list(f.get_slice(name).get_shape())
                   for name in f.keys()}
+    exported, code = recorded(metadata, "model_args"), recorded(metadata, "code_sha256")
+    if "model_args_sha256" in metadata and sha256(metadata["model_args"].encode()) != metadata["model_args_sha256"]:
+        raise ValueError("model.safetensors: its metadata model_args is not the record the export wrote (its "
+                         "SHA-256 is not model_args_sha256's): edited")
     args = config.model_args
     differ = [f"model_args.{field}={args.get(field)!r} where the weights were exported with {value!r}"
               for field, value in (exported or {}).items() if args.get(field) != value]
+    if code is not None and config.code_sha256 != code:
+        differ.append("code_sha256 where the weights were exported with other code files' digests")
     if differ:
         raise ValueError(f"config.json: {', '.join(differ)} (model.safetensors): another model")
     with torch.device("meta"):
@@ -361,6 +372,37 @@ def check_weights(config, path):
             fields_ = ", ".join(shaping_fields(config.model_args, name, made))
             raise ValueError(f"config.json: model_args {fields_} make {name} {made}, model.safetensors "
                              f"holds {held}")
+
+
+def recorded(metadata, field):
+    """The JSON object that model.safetensors' metadata records under field (None where it records none, as
+    a file that transformers' save_pretrained wrote), or a ValueError of one line naming the file and field."""
+    if field not in metadata:
+        return None
+    try:
+        value = json.loads(metadata[field])
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise ValueError(f"model.safetensors: its metadata {field} is not the JSON object the export writes: "
+                         f"{metadata[field][:60]!r}")
+    return value
+
+
+def sha256(data):
+    """The SHA-256 of bytes, in hex: the export's record of the folder's code and of its model_args."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def check_code(config, folder, where):
+    """A ValueError of one line naming the first code file of folder whose SHA-256 is not config.json's
+    code_sha256 (the export's record, which model.safetensors' metadata holds too): the folder runs the code
+    the export wrote, or says which file differs."""
+    for name, digest in sorted((config.code_sha256 or {}).items()):
+        with open(cached_file(folder, name, **where), "rb") as f:
+            if sha256(f.read()) != digest:
+                raise ValueError(f"{name}: not the file the export wrote (its SHA-256 is not config.json's "
+                                 "code_sha256): this folder's code was edited")
 
 
 def shaping_fields(args, name, shape):

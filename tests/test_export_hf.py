@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import errno
 import functools
+import hashlib
 import inspect
 import json
 import math
@@ -575,7 +576,8 @@ def test_training_forward_with_checkpointing_and_no_use_cache(build):
     twice); the loss first in the output (out[0], out["loss"]) and in return_dict=False's tuple; the loss and
     every gradient our GPT's, on a batch without pads and on a left-padded one (each row as alone, its pads'
     labels -100, its first token predicted by the pad before it as by the end-of-text), and the same again
-    after gradient_checkpointing_disable()."""
+    after gradient_checkpointing_disable(); where transformers has every_n_layers (5.25), only those blocks
+    recomputed."""
     lrkv = build("lrkv", 1)
     hf = AutoModelForCausalLM.from_pretrained(lrkv.out, trust_remote_code=True).train()
     ids = lrkv.tok([PROMPTS[0][:12], PROMPTS[0][5:17]], return_tensors="pt")["input_ids"]
@@ -599,6 +601,13 @@ def test_training_forward_with_checkpointing_and_no_use_cache(build):
         assert isinstance(as_tuple, tuple) and len(as_tuple) == 2
         torch.testing.assert_close(as_tuple[0], out.loss.new_tensor(our_loss_and_gradients(lrkv, hf, ids)[0]),
                                    atol=1e-5, rtol=0)
+    if hasattr(hf, "activation_checkpointing_enable"):  # 5.25's every_n_layers=2: block 0 recomputed, not 1
+        hf.train().activation_checkpointing_enable(every_n_layers=2)
+        per_block = []
+        hf.model.gpt_model.blocks[1].attn.register_forward_pre_hook(lambda module, args: per_block.append(1))
+        runs.clear()
+        hf(ids, labels=ids).loss.backward()
+        assert (len(runs), len(per_block)) == (2, 1)
     hf.eval()
     with torch.no_grad():
         assert cache_of(hf(ids)) is not None  # outside training the cache is kept, as generate wants it
@@ -916,6 +925,60 @@ def test_fields_that_disagree_with_the_weights_are_refused_by_name(build, tmp_pa
         refused(disagreeing, named, "model.safetensors holds")
 
 
+def with_metadata(folder, tmp_path, **edits):
+    """A copy of folder whose model.safetensors' metadata edits change."""
+    copy = tmp_path / "edited"
+    shutil.copytree(folder, copy)
+    with safetensors.safe_open(copy / "model.safetensors", "pt") as f:
+        metadata = f.metadata()
+    weights = safetensors.torch.load_file(copy / "model.safetensors")
+    safetensors.torch.save_file(weights, copy / "model.safetensors", metadata={**metadata, **edits})
+    return copy
+
+
+def refused_in_one_line(folder, pattern):
+    with pytest.raises(ValueError, match=pattern) as error:
+        AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    assert "\n" not in str(error.value)
+
+
+def test_weights_whose_model_args_record_is_not_json_are_refused_naming_file_and_field(build, tmp_path):
+    lrkv = build("lrkv", 2)
+    refused_in_one_line(with_metadata(lrkv.out, tmp_path, model_args="{not json"),
+                        r"^model\.safetensors: its metadata model_args is not the JSON object the export writes: "
+                        r"'\{not json'$")
+    shutil.rmtree(tmp_path / "edited")
+    refused_in_one_line(with_metadata(lrkv.out, tmp_path, code_sha256="[1, 2]"),
+                        r"^model\.safetensors: its metadata code_sha256 is not the JSON object")
+
+
+def test_the_folder_runs_the_code_the_export_wrote_or_names_the_file(build, tmp_path):
+    """An edited copy of a code file (model.py's MLP scaling its output by 1.5) is refused, naming the file; so
+    are config.json and the weights' metadata edited together (another rope_theta in both), and config.json's
+    digests edited to match the edited file, which the weights' metadata records too. Each digest is the
+    file's SHA-256, computed here."""
+    lrkv = build("lrkv", 2)
+    config = json.loads((lrkv.out / "config.json").read_text())
+    assert config["code_sha256"] == {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+                                     for p in lrkv.out.glob("*.py")}
+    copy = tmp_path / "edited"
+    shutil.copytree(lrkv.out, copy)
+    source = (copy / "model.py").read_text()
+    scaled = source.replace("return x + self.mlp.W_out(", "return x + 1.5 * self.mlp.W_out(", 1)
+    assert scaled != source
+    (copy / "model.py").write_text(scaled)
+    refused_in_one_line(copy, r"^model\.py: not the file the export wrote \(its SHA-256 is not config\.json's "
+                              r"code_sha256\): this folder's code was edited$")
+    config["code_sha256"]["model.py"] = hashlib.sha256(scaled.encode()).hexdigest()
+    (copy / "config.json").write_text(json.dumps(config))
+    refused_in_one_line(copy, r"^config\.json: code_sha256 where the weights were exported with other code")
+    shutil.rmtree(copy)
+    args = {**lrkv.model_args, "rope_theta": 20000.0}
+    both = edited(with_metadata(lrkv.out, tmp_path, model_args=json.dumps(args)).rename(tmp_path / "both"),
+                  tmp_path, lambda c: c["model_args"].update(rope_theta=20000.0))
+    refused_in_one_line(both, r"^model\.safetensors: its metadata model_args is not the record the export wrote")
+
+
 def test_a_bad_end_of_text_or_variant_is_refused(build, tmp_path):
     lrkv = build("lrkv", 2)
     refused(edited(lrkv.out, tmp_path, lambda c: c.update(eot_id=None)), "eot_id=None")
@@ -967,6 +1030,36 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(build, tmp_path, monkeypatch
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_full_disk_while_the_tokenizer_writes_is_one_line(build, tmp_path, monkeypatch, capsys):
+    """The tokenizers library's own error for a full disk, a bare Exception: its tokenizer.json written to
+    /dev/full, a device that is always full."""
+    real = export_hf.tokenizer
+
+    def onto_a_full_disk(*args):
+        backend = real(*args).backend_tokenizer
+        return SimpleNamespace(save_pretrained=lambda folder: backend.save("/dev/full"))
+
+    ckpt = build("lrkv", 1).ckpt
+    capsys.readouterr()
+    monkeypatch.setattr(export_hf, "tokenizer", onto_a_full_disk)
+    assert export_hf.main([str(ckpt), str(tmp_path / "out")]) == 2
+    assert "cannot be written: No space left on device (os error 28); nothing was written" in one_line_error(capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_during_an_export_is_one_line_and_leaves_nothing(build, tmp_path, monkeypatch, capsys):
+    """Ctrl-C while the folder is written (here as the card is): one line, exit code 130, nothing left."""
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    ckpt = build("lrkv", 1).ckpt
+    capsys.readouterr()
+    monkeypatch.setattr(export_hf, "card", interrupted)
+    assert export_hf.main([str(ckpt), str(tmp_path / "new" / "out")]) == 130
+    assert one_line_error(capsys) == "export_hf.py: interrupted; nothing was written\n"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_folder_it_cannot_write_is_one_line(build, tmp_path, capsys):
     """OUT_DIR under a file (root writes any folder, so a file stands where a folder must)."""
     (tmp_path / "file").write_text("a file")
@@ -978,10 +1071,13 @@ def test_a_folder_it_cannot_write_is_one_line(build, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("record, exports", [
-    ({"tokenizer": "byte"}, True),  # an older record: its vocabulary and end-of-text are the tokenizer's
-    ({"tokenizer": "byte", "vocab_size": "256", "eot_id": None}, True),  # read as sample.py reads it
+    ({"tokenizer": "byte", "vocab_size": 256, "eot_id": 0}, "silently"),  # the record of today's meta.json
+    ({"tokenizer": "byte"}, "vocab_size=None, eot_id=None"),  # older: the tokenizer's vocabulary and end-of-text
+    ({"tokenizer": "byte", "vocab_size": "256", "eot_id": None}, "vocab_size='256', eot_id=None"),
     (None, False), ({"tokenizer": "sentencepiece"}, False), ("byte", False)])
 def test_tokenizer_records_of_another_age(build, tmp_path, capsys, record, exports):
+    """A record the export reads as sample.py does, by the tokenizer's name, says so in one line on stderr
+    naming what it lacks; one it cannot read is refused in one line, nothing written."""
     ckpt = torch.load(build("lrkv", 1).ckpt, weights_only=True)
     if record is None:
         del ckpt["tokenizer"]
@@ -994,6 +1090,12 @@ def test_tokenizer_records_of_another_age(build, tmp_path, capsys, record, expor
     code = export_hf.main([str(tmp_path / "ckpt.pt"), str(tmp_path / "out")])
     if exports:
         assert code == 0 and (tmp_path / "out" / "tokenizer.json").exists()
+        err = capsys.readouterr().err
+        if exports == "silently":
+            assert err == ""
+        else:
+            assert err == (f"export_hf.py: {tmp_path / 'ckpt.pt'}: its tokenizer record has {exports}: exported as "
+                           "the 'byte' tokenizer's, 256 tokens, end-of-text id 0\n")
     else:
         assert code == 2 and "tokenizer" in one_line_error(capsys)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
