@@ -23,7 +23,7 @@ folder beside OUT_DIR and renamed at the end: a failed export leaves nothing, an
 leaves a hidden .OUT_DIR.* folder, which the next export to OUT_DIR removes and says so. Bad input (a
 checkpoint that does not load or has no tokenizer this export knows, an OUT_DIR that is not an empty
 folder, --native for a variant it cannot express, a full disk or a folder it cannot write) is one line
-on stderr and exit code 2. docs/export.md says more.
+on stderr and exit code 2; Ctrl-C one line and exit code 130. docs/export.md says more.
 """
 
 import ast
@@ -547,6 +547,7 @@ def card(ckpt, model, tok, native, command, out):
     own = own_fields(c)
     dimensions = ", ".join(f"{k} {getattr(c, k)}" for k in SHAPE)
     dimensions += (f"; its own: {', '.join(f'{k} {getattr(c, k)}' for k in own)}" if own else "")
+    dimensions += f"; rope_theta {c.rope_theta}"
     tags = "".join(f"- {tag}\n" for tag in ["lrkv", f"attention-{c.attn}", *(["custom_code"] * (not native))])
     limitations = "".join(f"- {line}.\n" for line in limits)
     return f"""---
@@ -558,7 +559,7 @@ tags:
 
 # {c.attn}{f" ({' '.join(flags)})" if flags else ""}: a GPT of the lrkv repository
 
-Attention `--attn={c.attn}`, {model.get_num_params():,} parameters in {names.get(dtype, dtype)}: {dimensions}; rope_theta {c.rope_theta}.
+Attention `--attn={c.attn}`, {model.get_num_params():,} parameters in {names.get(dtype, dtype)}: {dimensions}.
 
 - Load: `AutoModelForCausalLM.{load}; the tokenizer likewise, `AutoTokenizer`. Needs `{requirement}`.
 {layout(c)}

@@ -19,6 +19,11 @@ only what transformers asks of a model, and says it where it does:
   - LRKVCache is transformers' Cache around ring.RingKVCache: it holds what the repository's decoder
     caches, growing with the sequence (model.kv_cache_bytes of the positions held, the end-of-text
     included), and beam search, prompt lookup and assisted decoding reorder, repeat and crop it.
+  - Training, as transformers' own models train: no cache while the model trains or is checkpointed
+    (LRKVModel.read), GPT's training path with each row read alone (read_rows_alone), checkpointing
+    through transformers' hook (_set_gradient_checkpointing), the loss first in the output.
+  - The folder runs the code the export wrote: config.json's code_sha256 (check_code), and the
+    tokenizer's class is this file's (LRKVTokenizer), so that too old a transformers stops at either.
 """
 
 import hashlib
@@ -75,6 +80,7 @@ class LRKVConfig(PreTrainedConfig):
     the folder's file holds the attention class of a variant that model.VARIANTS does not name."""
 
     model_type = "lrkv"
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]  # Trainer.evaluate gathers logits, not caches
 
     def __init__(self, model_args=None, eot_id=None, variant=None, code_sha256=None, use_cache=True, **kwargs):
         self.model_args, self.eot_id, self.variant, self.use_cache = model_args, eot_id, variant, use_cache
@@ -353,7 +359,8 @@ def check_weights(config, path):
         theirs = {name.removeprefix("model.gpt_model."): list(f.get_slice(name).get_shape())
                   for name in f.keys()}
     exported, code = recorded(metadata, "model_args"), recorded(metadata, "code_sha256")
-    if "model_args_sha256" in metadata and sha256(metadata["model_args"].encode()) != metadata["model_args_sha256"]:
+    digest = metadata.get("model_args_sha256")
+    if digest is not None and sha256(metadata["model_args"].encode()) != digest:
         raise ValueError("model.safetensors: its metadata model_args is not the record the export wrote (its "
                          "SHA-256 is not model_args_sha256's): edited")
     args = config.model_args

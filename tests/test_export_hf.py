@@ -306,7 +306,8 @@ def test_native_lrkv_equals_ours_with_mha_sized_cache(build):
     assert cache_bytes(cache) == mha
     assert cache_bytes(cache) > model.kv_cache_bytes(1, ids.size(1), torch.float32)
     card = (lrkv.out / "README.md").read_text()  # MHA's bytes per token, in the weights' fp32 and in bf16
-    assert f"DynamicCache, {mha // ids.size(1):,} bytes per token in fp32, {mha // ids.size(1) // 2:,} in bf16" in card
+    per_token = mha // ids.size(1)
+    assert f"DynamicCache, {per_token:,} bytes per token in fp32, {per_token // 2:,} in bf16" in card
 
 
 # Sliding windows and shared keys: remote code for every variant, MHA's included. Every variant
@@ -614,11 +615,11 @@ def test_training_forward_with_checkpointing_and_no_use_cache(build):
         assert tuple(type(x).__name__ for x in hf(ids, return_dict=False)) == ("Tensor", "LRKVCache")
 
 
-@pytest.mark.parametrize("attn", ["lrkv", "mla"])
-def test_trainer_with_gradient_checkpointing_gives_our_loss_and_gradients(build, attn, tmp_path):
-    """transformers' Trainer, gradient_checkpointing=True, 3 steps of 2 rows: at every step, before the
-    optimizer moves the weights, the loss and every gradient are our GPT's on the same batch (1e-5), and
-    each block ran twice (checkpointed)."""
+@pytest.mark.parametrize("attn, checkpointing", [("lrkv", True), ("mla", True), ("lrkv", False)])
+def test_trainer_gives_our_loss_and_gradients(build, attn, checkpointing, tmp_path):
+    """transformers' Trainer, gradient_checkpointing=True (and without), 3 steps of 2 rows: at every step,
+    before the optimizer moves the weights, the loss and every gradient are our GPT's on the same batch
+    (1e-5), and each block ran twice where checkpointed; Trainer.evaluate gives our loss."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     exported = build(attn, 1)
@@ -638,10 +639,16 @@ def test_trainer_with_gradient_checkpointing_gives_our_loss_and_gradients(build,
             checked.append(len(runs))
 
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2,
-                             gradient_checkpointing=True, learning_rate=1e-2, max_grad_norm=0, report_to="none",
-                             save_strategy="no", logging_strategy="no", use_cpu=True, disable_tqdm=True)
-    Trainer(model=hf, args=args, train_dataset=data, callbacks=[Check()]).train()
-    assert checked == [2, 4, 6] and len(seen) == 3
+                             gradient_checkpointing=checkpointing, learning_rate=1e-2, max_grad_norm=0,
+                             report_to="none", save_strategy="no", logging_strategy="no", use_cpu=True,
+                             disable_tqdm=True)
+    trainer = Trainer(model=hf, args=args, train_dataset=data, callbacks=[Check()])
+    trainer.train()
+    assert checked == [(1 + checkpointing) * step for step in (1, 2, 3)] and len(seen) == 3
+    if not checkpointing:  # evaluate: the loss of the trained weights, ours
+        loss = trainer.evaluate(data[:2])["eval_loss"]
+        ids = torch.stack([row["input_ids"] for row in data[:2]])
+        assert loss == pytest.approx(our_loss_and_gradients(exported, hf, ids)[0].item(), abs=1e-5)
 
 
 @torch.no_grad()
@@ -660,8 +667,9 @@ def test_resize_token_embeddings_and_what_the_model_refuses(build, tmp_path):
     hf.save_pretrained(tmp_path / "resized")
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "resized", trust_remote_code=True)
     torch.testing.assert_close(again(ids).logits, after, atol=0, rtol=0)
-    for kwargs, message in [(dict(inputs_embeds=hf.get_input_embeddings()(ids)), r"takes input_ids, not inputs_embeds"),
-                            (dict(input_ids=ids, output_attentions=True), r"gives no attention weights \(output_att"),
+    embeds = hf.get_input_embeddings()(ids)
+    for kwargs, message in [(dict(inputs_embeds=embeds), r"takes input_ids, not inputs_embeds"),
+                            (dict(input_ids=ids, output_attentions=True), r"gives no attention weights"),
                             (dict(input_ids=ids, head_mask=torch.ones(4)), r"takes no head_mask$")]:
         for model in (hf, hf.model):
             with pytest.raises(ValueError, match=rf"^this model {message}") as error:
@@ -1043,7 +1051,8 @@ def test_a_full_disk_while_the_tokenizer_writes_is_one_line(build, tmp_path, mon
     capsys.readouterr()
     monkeypatch.setattr(export_hf, "tokenizer", onto_a_full_disk)
     assert export_hf.main([str(ckpt), str(tmp_path / "out")]) == 2
-    assert "cannot be written: No space left on device (os error 28); nothing was written" in one_line_error(capsys)
+    err = one_line_error(capsys)
+    assert "cannot be written: No space left on device (os error 28); nothing was written" in err
     assert list(tmp_path.iterdir()) == []
 
 
@@ -1094,8 +1103,8 @@ def test_tokenizer_records_of_another_age(build, tmp_path, capsys, record, expor
         if exports == "silently":
             assert err == ""
         else:
-            assert err == (f"export_hf.py: {tmp_path / 'ckpt.pt'}: its tokenizer record has {exports}: exported as "
-                           "the 'byte' tokenizer's, 256 tokens, end-of-text id 0\n")
+            assert err == (f"export_hf.py: {tmp_path / 'ckpt.pt'}: its tokenizer record has {exports}: exported "
+                           "as the 'byte' tokenizer's, 256 tokens, end-of-text id 0\n")
     else:
         assert code == 2 and "tokenizer" in one_line_error(capsys)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
