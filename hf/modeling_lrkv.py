@@ -589,8 +589,8 @@ class LRKVForCausalLM(LRKVPreTrainedModel, GenerationMixin):
     def forward(self, input_ids=None, attention_mask=None, cache=None, past_key_values=None, labels=None,
                 use_cache=None, output_hidden_states=None, return_dict=None, num_items_in_batch=None, **kwargs):
         """LRKVModel.read's logits (B, T, vocab), cache and hidden states; labels (B, T): the loss of predicting
-        each token from those before it (-100: none; a pad's label should be), as transformers shifts them,
-        over num_items_in_batch labels where Trainer gives it (else their mean)."""
+        each token from those before it (-100: none; a pad's label should be), as transformers shifts them:
+        their mean, or their sum over num_items_in_batch where a caller gives it (Trainer does not)."""
         logits, _, hidden, cache = self.model.read(input_ids, attention_mask, cache, past_key_values, use_cache,
                                                    output_hidden_states, kwargs)
         loss = None if labels is None else self.loss_function(logits, labels, self.config.vocab_size,
