@@ -578,7 +578,8 @@ def test_training_forward_with_checkpointing_and_no_use_cache(build):
     every gradient our GPT's, on a batch without pads and on a left-padded one (each row as alone, its pads'
     labels -100, its first token predicted by the pad before it as by the end-of-text), and the same again
     after gradient_checkpointing_disable(); where transformers has every_n_layers (5.25), only those blocks
-    recomputed."""
+    recomputed; in eval mode (from_pretrained's) with checkpointing enabled, the same loss and gradients
+    through the cache."""
     lrkv = build("lrkv", 1)
     hf = AutoModelForCausalLM.from_pretrained(lrkv.out, trust_remote_code=True).train()
     ids = lrkv.tok([PROMPTS[0][:12], PROMPTS[0][5:17]], return_tensors="pt")["input_ids"]
@@ -609,7 +610,11 @@ def test_training_forward_with_checkpointing_and_no_use_cache(build):
         runs.clear()
         hf(ids, labels=ids).loss.backward()
         assert (len(runs), len(per_block)) == (2, 1)
-    hf.eval()
+    hf.eval().gradient_checkpointing_enable()  # as from_pretrained leaves it: no recomputation, a cache kept
+    hf.zero_grad()
+    out = hf(ids, labels=ids)
+    out.loss.backward()
+    assert_equal_to_ours(lrkv, hf, ids, out.loss)
     with torch.no_grad():
         assert cache_of(hf(ids)) is not None  # outside training the cache is kept, as generate wants it
         assert tuple(type(x).__name__ for x in hf(ids, return_dict=False)) == ("Tensor", "LRKVCache")
