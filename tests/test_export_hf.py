@@ -571,7 +571,8 @@ def assert_equal_to_ours(exported, hf, ids, loss, real=None):
         torch.testing.assert_close(p.grad, grads[name], atol=1e-5, rtol=0, msg=name)
 
 
-def test_training_forward_with_checkpointing_and_no_use_cache(build):
+@pytest.mark.parametrize("layout", [None, "window-cla2-yoco"])
+def test_training_forward_with_checkpointing_and_no_use_cache(build, layout):
     """A training forward as transformers users write it, no use_cache argument: no cache kept while the model
     trains; with gradient_checkpointing_enable() each block is recomputed in the backward (its attention runs
     twice); the loss first in the output (out[0], out["loss"]) and in return_dict=False's tuple; the loss and
@@ -579,8 +580,8 @@ def test_training_forward_with_checkpointing_and_no_use_cache(build):
     labels -100, its first token predicted by the pad before it as by the end-of-text), and the same again
     after gradient_checkpointing_disable(); where transformers has every_n_layers (5.25), only those blocks
     recomputed; in eval mode (from_pretrained's) with checkpointing enabled, the same loss and gradients
-    through the cache."""
-    lrkv = build("lrkv", 1)
+    through the cache. Plain, and with windows, shared keys and YOCO (layers reading an owner's keys)."""
+    lrkv = build("lrkv", **LAYOUTS.get(layout, {}))
     hf = AutoModelForCausalLM.from_pretrained(lrkv.out, trust_remote_code=True).train()
     ids = lrkv.tok([PROMPTS[0][:12], PROMPTS[0][5:17]], return_tensors="pt")["input_ids"]
     padded = lrkv.tok(PROMPTS, padding=True, return_tensors="pt")
