@@ -262,7 +262,7 @@ def test_the_folder_runs_the_repositorys_code(exported):
     assert (exported.out / "LICENSE").read_text() == (REPO / "LICENSE").read_text()
 
 
-# the fields each variant of the issue that asked for them reads, beyond every model's shape
+# the own fields (beyond every model's shape) of the variants whose cards the issue named, read off their classes
 OWN_FIELDS = {"mha": set(), "lrkv": {"lrkv_rank"}, "mla": {"kv_lora_rank", "rope_head_dim"},
               "tpa": {"tpa_q_rank", "tpa_kv_rank"}}
 
