@@ -23,12 +23,13 @@ folder beside OUT_DIR and renamed at the end: a failed export leaves nothing, an
 leaves a hidden .OUT_DIR.* folder, which the next export to OUT_DIR removes and says so. Bad input (a
 checkpoint that does not load or has no tokenizer this export knows, an OUT_DIR that is not an empty
 folder, --native for a variant it cannot express, a full disk or a folder it cannot write) is one line
-on stderr and exit code 2. docs/export.md says more.
+on stderr and exit code 2; Ctrl-C one line and exit code 130. docs/export.md says more.
 """
 
 import ast
 import base64
 import dataclasses
+import hashlib
 import inspect
 import json
 import os
@@ -70,7 +71,16 @@ def transformers_requirement():
 
 
 def main(argv=None):
-    """Export; the exit code: 0 done, 2 bad input."""
+    """Export; the exit code: 0 done, 2 bad input, 130 interrupted (Ctrl-C), nothing left behind."""
+    try:
+        return export_checkpoint(argv)
+    except KeyboardInterrupt:  # write_atomically has removed what it wrote
+        print("export_hf.py: interrupted; nothing was written", file=sys.stderr)
+        return 130
+
+
+def export_checkpoint(argv):
+    """main's work: the exit code, 0 done, 2 bad input."""
     parser = ArgumentParser(prog="export_hf.py", description=__doc__.strip().split("\n\n")[0])
     parser.add_argument("ckpt", help="a ckpt.pt written by train.py")
     parser.add_argument("out_dir", help="the folder to write: it must not exist, or be empty")
@@ -88,6 +98,7 @@ def main(argv=None):
             raise ConfigError(f"{out}: exists and is not an empty folder; give another OUT_DIR")
         ckpt, model = load_checkpoint(args.ckpt, "cpu")
         tok = load_tokenizer(args.ckpt, ckpt)
+        say_an_older_tokenizer_record(args.ckpt, ckpt["tokenizer"], tok)
         native = check(args.ckpt, tok, model.config, args.native, args.remote_code)
         files = {} if native else model_files(model.config)
     except ConfigError as e:
@@ -96,7 +107,7 @@ def main(argv=None):
     remove_stale(out)
     command = shlex.join(["python", "export_hf.py", *(argv if argv is not None else sys.argv[1:])])
     try:
-        write_atomically(out, lambda folder: export(ckpt, model, tok, native, files, folder, command))
+        write_atomically(out, lambda folder: export(ckpt, model, tok, native, files, folder, command, out))
     except OSError as e:  # a folder on the way is a file, or read-only; a full disk
         where = f" ({e.filename})" if e.filename else ""
         print(f"export_hf.py: {out}: cannot be written: {e.strerror or e}{where}; nothing was written",
@@ -112,6 +123,18 @@ def main(argv=None):
             else "LRKVForCausalLM (remote code, trust_remote_code=True)")
     print(f"{out}: {model.config.attn} as {kind}, in {time.perf_counter() - t0:.1f} s")
     return 0
+
+
+def say_an_older_tokenizer_record(path, record, tok):
+    """One line on stderr where the checkpoint's tokenizer record (its data's meta.json) lacks the vocabulary
+    size or the end-of-text id, or has them of another type or value than the tokenizer of its name: the
+    export takes that tokenizer's, as sample.py reads such a record."""
+    lacking = [f"{field}={record.get(field)!r}" for field, ours in (("vocab_size", tok.vocab_size),
+                                                                  ("eot_id", tok.eot_id))
+               if type(record.get(field)) is not int or record[field] != ours]
+    if lacking:
+        print(f"export_hf.py: {path}: its tokenizer record has {', '.join(lacking)}: exported as the "
+              f"{tok.name!r} tokenizer's, {tok.vocab_size} tokens, end-of-text id {tok.eot_id}", file=sys.stderr)
 
 
 def check(path, tok, config, native, remote_code):
@@ -229,7 +252,7 @@ def write_atomically(out, write):
         raise
 
 
-def export(ckpt, model, tok, native, files, folder, command):
+def export(ckpt, model, tok, native, files, folder, command, out):
     """Write the model, its code (remote code), the tokenizer, the card and the licence into folder."""
     # imported here, not at the top: most bad input is refused before transformers' seconds of import
     from safetensors.torch import save_file
@@ -244,30 +267,44 @@ def export(ckpt, model, tok, native, files, folder, command):
         for name, text in sources.items():
             (folder / f"{name}.py").write_text(text)
         (folder / "modeling_lrkv.py").write_text(modeling_file(sources))
-        write_config(folder, c, eot, variant, next(model.parameters()).dtype)
+        code = {file.name: hashlib.sha256(file.read_bytes()).hexdigest() for file in sorted(folder.glob("*.py"))}
+        write_config(folder, c, eot, variant, next(model.parameters()).dtype, code)
         weights = {f"model.gpt_model.{name}": w.contiguous() for name, w in model.state_dict().items()}
-        # the weights record the model_args they were exported with: the folder's code refuses a config.json
-        # that differs, naming the field, rather than build another model around them
+        # the weights record the model_args they were exported with (and their SHA-256) and the code files'
+        # SHA-256: the folder's code refuses a config.json that differs, naming the field, rather than build
+        # another model around them, and a code file whose digest is not config.json's, naming the file
+        model_args = json.dumps(dataclasses.asdict(c))
         save_file(weights, folder / "model.safetensors",
-                  metadata={"format": "pt", "model_args": json.dumps(dataclasses.asdict(c))})
+                  metadata={"format": "pt", "model_args": model_args, "code_sha256": json.dumps(code),
+                            "model_args_sha256": hashlib.sha256(model_args.encode()).hexdigest()})
     # generate stops at end-of-text, as sample.py does, and draws no id the tokenizer lacks (a
     # vocabulary padded for fast matmuls: GPT-2's 50257 tokens in 50304 rows)
     padding = list(range(tok.vocab_size, c.vocab_size))
     GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot,
                      suppress_tokens=padding or None).save_pretrained(folder)
-    tokenizer(tok, c.block_size, native).save_pretrained(folder)
-    (folder / "README.md").write_text(card(ckpt, model, tok, native, command))
+    try:
+        tokenizer(tok, c.block_size, native).save_pretrained(folder)
+    except Exception as e:  # the tokenizers library raises a bare Exception for an OS error, a full disk's too
+        if type(e) is not Exception:
+            raise
+        raise OSError(" ".join(str(e).split())) from None
+    if not native:  # the tokenizer's class is the folder's own too, which says which transformers it needs
+        record = json.loads((folder / "tokenizer_config.json").read_text())
+        record["auto_map"] = {"AutoTokenizer": [None, "modeling_lrkv.LRKVTokenizer"]}
+        (folder / "tokenizer_config.json").write_text(json.dumps(record, indent=2) + "\n")
+    (folder / "README.md").write_text(card(ckpt, model, tok, native, command, out))
     shutil.copyfile(REPO / "LICENSE", folder / "LICENSE")
 
 
-def write_config(folder, c, eot, variant, dtype):
+def write_config(folder, c, eot, variant, dtype, code):
     """config.json of the remote code: the checkpoint's model_args, which model.GPTConfig checks when the
-    folder loads, the end-of-text it reads every sequence after, and where the variant's class is."""
+    folder loads, the end-of-text it reads every sequence after, where the variant's class is, and code,
+    {file: SHA-256} of the folder's code, which it checks too."""
     import transformers
     config = {"architectures": ["LRKVForCausalLM"], "model_type": "lrkv",
               "auto_map": {"AutoConfig": "modeling_lrkv.LRKVConfig", "AutoModel": "modeling_lrkv.LRKVModel",
                            "AutoModelForCausalLM": "modeling_lrkv.LRKVForCausalLM"},
-              "model_args": dataclasses.asdict(c), "eot_id": eot, "variant": variant,
+              "model_args": dataclasses.asdict(c), "eot_id": eot, "variant": variant, "code_sha256": code,
               "bos_token_id": eot, "eos_token_id": eot, "pad_token_id": eot, "tie_word_embeddings": False,
               "dtype": str(dtype).removeprefix("torch."),
               "transformers_version": transformers.__version__}
@@ -419,41 +456,87 @@ def layout(c):
     return f"- Windows: {seen}.\n- Keys and values: {shared}."
 
 
-def card(ckpt, model, tok, native, command):
-    """README.md: the Hub's YAML header (licence, library, pipeline, tags), then what the model is, how it
-    loads, what it caches and how it was made."""
+SHAPE = ("n_layer", "n_head", "head_dim", "n_embd", "vocab_size", "block_size")  # every variant's
+LAYOUT = ("cla", "yoco", "window", "window_pattern")  # the card's layout lines say these
+
+
+def own_fields(c):
+    """The integer fields of GPTConfig c, beside SHAPE's and LAYOUT's, that the variant reads: those some
+    change of which (up or down) changes the shapes of its weights or of its cache (on the meta device)."""
+    from model import GPT
+
+    def shapes(config):
+        with torch.device("meta"):
+            gpt = GPT(config)
+        return {n: tuple(w.shape) for n, w in gpt.state_dict().items()}, gpt.kv_cache_bytes(1, 1)
+
+    found, made = [], shapes(c)
+    for field in dataclasses.fields(c):
+        value = getattr(c, field.name)
+        if field.name in SHAPE + LAYOUT or type(value) is not int:
+            continue
+        for other in (2 * value, value + 1, value - 1, value // 2):
+            try:
+                if shapes(dataclasses.replace(c, **{field.name: other})) != made:
+                    found.append(field.name)
+                    break
+            except ValueError:  # a value the variant refuses
+                continue
+    return found
+
+
+def card(ckpt, model, tok, native, command, out):
+    """README.md: the Hub's YAML header (licence, library, pipeline, tags), then what the model is (its own
+    fields), how it loads (a snippet for the folder at out), what it caches, its limits and how it was made."""
     c, cfg = model.config, ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {}
     meta = ckpt["tokenizer"] if isinstance(ckpt.get("tokenizer"), dict) else {}
-    shape = ["n_layer", "n_head", "head_dim", "n_embd", "vocab_size", "block_size"]
-    defaults = {field.name: field.default for field in dataclasses.fields(c)}
-    knobs = [f"{k} {v}" for k, v in dataclasses.asdict(c).items()
-             if k not in shape + ["attn"] and v != defaults[k]]
-    per_token = {dtype: model.kv_cache_bytes(1, 1, dtype) for dtype in (torch.bfloat16, torch.float32)}
-    mha_bytes = 2 * c.n_layer * c.n_embd * 2  # the native LRKV's: every head's key and value, in bf16
+    dtype = next(model.parameters()).dtype
+    dtypes = [dtype] + [torch.bfloat16] * (dtype != torch.bfloat16)  # the weights' and bf16
+    names = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16", torch.float64: "fp64"}
+
+    def in_dtypes(per_dtype):  # "N bytes per token in fp32, M in bf16"
+        return ", ".join(f"{per_dtype(d):,}{' bytes per token' * (i == 0)} in {names[d]}"
+                         for i, d in enumerate(dtypes))
+
     requirement = transformers_requirement()
+    trust = "" if native else ", trust_remote_code=True"
+    limits = [f"The context: {c.block_size - (not native)} tokens of a sequence's own"
+              + ("" if native else f" (block_size {c.block_size}, one of them the end-of-text every sequence "
+                 "is read after); a longer sequence is refused in one line")]
     if native:
         load = "from_pretrained(folder)`, no remote code: transformers' NanoChatForCausalLM"
-        cache = (f"transformers' DynamicCache, {per_token[torch.bfloat16]:,} bytes per token in bf16"
-                 if c.attn != "lrkv" else
-                 f"transformers' DynamicCache of every head's full key and value, {mha_bytes:,} bytes "
-                 f"per token in bf16 (MHA's), not LRKV's {per_token[torch.bfloat16]:,}: export without "
-                 "--native to keep LRKV's cache")
+        held = (lambda d: model.kv_cache_bytes(1, 1, d)) if c.attn != "lrkv" else \
+            (lambda d: 2 * c.n_layer * c.n_embd * d.itemsize)  # every head's key and value: MHA's
+        cache = f"transformers' DynamicCache, {in_dtypes(held)}"
+        if c.attn == "lrkv":
+            cache += (f": every head's full key and value (MHA's), not LRKV's "
+                      f"{model.kv_cache_bytes(1, 1, dtypes[-1]):,} in bf16: export without --native to keep "
+                      "LRKV's cache")
         reading = (f"The tokenizer puts end-of-text (id {tok.eot_id}) before every text, as every training "
                    "document starts with it; so lm-eval's rolling log-likelihood scores that one token too "
                    "(export with --remote_code to read texts as this repository does)")
+        limits.append("transformers' own class: no code of the lrkv repository runs, so a config.json edited "
+                      "by hand but keeping every shape loads as another model")
     else:
         load = ("from_pretrained(folder, trust_remote_code=True)`, or `AutoModel`: the code beside this "
                 "card, the lrkv repository's model.py run through modeling_lrkv.py")
-        cache = (f"LRKVCache, what this repository's decoder caches: {per_token[torch.bfloat16]:,} bytes per "
-                 f"token in bf16, {per_token[torch.float32]:,} in fp32 (model.kv_cache_bytes)")
+        cache = (f"LRKVCache, what this repository's decoder caches: "
+                 f"{in_dtypes(lambda d: model.kv_cache_bytes(1, 1, d))} (model.kv_cache_bytes)")
         full = model.kv_cache_bytes(1, c.block_size, torch.bfloat16)
-        if full < c.block_size * per_token[torch.bfloat16]:
+        if full < c.block_size * model.kv_cache_bytes(1, 1, torch.bfloat16):
             cache += (f"; a layer whose readers all have a window keeps only its last {c.window} positions, "
                       f"so a whole context of {c.block_size} tokens holds {full:,} bytes in bf16, not "
-                      f"{c.block_size * per_token[torch.bfloat16]:,}")
+                      f"{c.block_size * model.kv_cache_bytes(1, 1, torch.bfloat16):,}")
+            limits.append("Its cache cannot be cropped (a window's ring forgets what it passes): assisted and "
+                          "prompt-lookup decoding are refused in one line")
         reading = (f"The model reads every sequence after an end-of-text (id {tok.eot_id}), as every "
                    "training document starts with one, and the tokenizer adds none: a text is scored and "
                    "continued as this repository's sample.py and eval.py do, by lm-eval too")
+        limits += ["It attends through SDPA, whatever `attn_implementation` asks; it takes `input_ids`, not "
+                   "`inputs_embeds`, and gives no attention weights (`output_attentions`): each refused in one "
+                   "line. Its cache is not a static one: `generate` does not compile it",
+                   "Trained through transformers (`Trainer`, gradient checkpointing), a left-padded row's first "
+                   "token is predicted by the pad before it, as by the end-of-text: give pads the label -100"]
     vocabulary = ("GPT-2's byte-pair encoding, 50,257 tokens (OpenAI, MIT licence)" if tok.name == "gpt2"
                   else "one token a byte, 256")
     steps, batch = ckpt.get("step"), cfg.get("batch_size")
@@ -461,8 +544,12 @@ def card(ckpt, model, tok, native, command):
     tokens = f", {steps * batch * c.block_size:,} tokens" if known else ""
     val = ckpt.get("val_loss")
     flags = layout_flags(c)
-    dimensions = ", ".join([f"{k} {getattr(c, k)}" for k in shape] + knobs)
+    own = own_fields(c)
+    dimensions = ", ".join(f"{k} {getattr(c, k)}" for k in SHAPE)
+    dimensions += (f"; its own: {', '.join(f'{k} {getattr(c, k)}' for k in own)}" if own else "")
+    dimensions += f"; rope_theta {c.rope_theta}"
     tags = "".join(f"- {tag}\n" for tag in ["lrkv", f"attention-{c.attn}", *(["custom_code"] * (not native))])
+    limitations = "".join(f"- {line}.\n" for line in limits)
     return f"""---
 license: mit
 library_name: transformers
@@ -472,7 +559,7 @@ tags:
 
 # {c.attn}{f" ({' '.join(flags)})" if flags else ""}: a GPT of the lrkv repository
 
-Attention `--attn={c.attn}`, {model.get_num_params():,} parameters: {dimensions}.
+Attention `--attn={c.attn}`, {model.get_num_params():,} parameters in {names.get(dtype, dtype)}: {dimensions}.
 
 - Load: `AutoModelForCausalLM.{load}; the tokenizer likewise, `AutoTokenizer`. Needs `{requirement}`.
 {layout(c)}
@@ -483,6 +570,19 @@ Attention `--attn={c.attn}`, {model.get_num_params():,} parameters: {dimensions}
 - Made by: `{command}`
 - Licence: MIT (LICENSE), the code and these weights.
 
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+folder = "{out}"
+model = AutoModelForCausalLM.from_pretrained(folder{trust})
+tok = AutoTokenizer.from_pretrained(folder{trust})
+ids = tok("def parse(text):", return_tensors="pt")
+print(tok.decode(model.generate(**ids, max_new_tokens=50, do_sample=False)[0]))
+```
+
+Limitations:
+
+{limitations}
 Log-likelihoods and greedy tokens equal the repository's model.py (docs/export.md).
 """
 

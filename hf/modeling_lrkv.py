@@ -19,9 +19,14 @@ only what transformers asks of a model, and says it where it does:
   - LRKVCache is transformers' Cache around ring.RingKVCache: it holds what the repository's decoder
     caches, growing with the sequence (model.kv_cache_bytes of the positions held, the end-of-text
     included), and beam search, prompt lookup and assisted decoding reorder, repeat and crop it.
+  - Training, as transformers' own models train: no cache while the model trains or is checkpointed
+    (LRKVModel.read), GPT's training path with each row read alone (read_rows_alone), checkpointing
+    through transformers' hook (_set_gradient_checkpointing), the loss first in the output.
+  - The folder runs the code the export wrote: config.json's code_sha256 (check_code), and the
+    tokenizer's class is this file's (LRKVTokenizer), so that too old a transformers stops at either.
 """
 
-import functools
+import hashlib
 import inspect
 import json
 import re
@@ -29,11 +34,12 @@ from dataclasses import dataclass, fields
 
 import safetensors
 import torch
+from torch.utils.checkpoint import checkpoint
 import transformers
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import GenerationMixin, PreTrainedModel, PreTrainedTokenizerFast
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import ModelOutput
-from transformers.utils import cached_file
+from transformers.utils import cached_file, logging
 
 from . import model
 from .model import GPT, GPTConfig
@@ -55,15 +61,18 @@ def check_transformers(version):
 
 
 check_transformers(transformers.__version__)
+logger = logging.get_logger(__name__)
 
 # the name generate gives the cache among a forward's arguments: "cache" from transformers 5.24 on
 CACHE = "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters \
     else "past_key_values"
 
 
-def model_arg(field, less=0):
-    """An attribute of LRKVConfig read from model_args: model_args[field] - less (None with no model_args)."""
-    return property(lambda self: self.model_args[field] - less if self.model_args else None)
+def model_arg(field, less=0, settable=False):
+    """An attribute of LRKVConfig read from model_args: model_args[field] - less (None with no model_args);
+    settable: setting it sets model_args[field]."""
+    return property(lambda self: self.model_args[field] - less if self.model_args else None,
+                    (lambda self, value: self.model_args.update({field: value + less})) if settable else None)
 
 
 class LRKVConfig(PreTrainedConfig):
@@ -71,9 +80,14 @@ class LRKVConfig(PreTrainedConfig):
     the folder's file holds the attention class of a variant that model.VARIANTS does not name."""
 
     model_type = "lrkv"
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]  # Trainer.evaluate gathers logits, not caches
 
-    def __init__(self, model_args=None, eot_id=None, variant=None, use_cache=True, **kwargs):
+    def __init__(self, model_args=None, eot_id=None, variant=None, code_sha256=None, use_cache=True, **kwargs):
         self.model_args, self.eot_id, self.variant, self.use_cache = model_args, eot_id, variant, use_cache
+        self.code_sha256 = code_sha256  # {file: SHA-256} of the folder's code, as the export wrote it
+        if code_sha256 is not None and not (isinstance(code_sha256, dict) and all(
+                re.fullmatch(r"\w+\.py", str(name)) and isinstance(d, str) for name, d in code_sha256.items())):
+            raise ValueError(f"config.json: code_sha256={code_sha256!r}: must be the code files' SHA-256 digests")
         if model_args is not None:  # what transformers makes with no arguments is never a model's
             self.gpt_config()  # refused here, at load, in one line
         kwargs.setdefault("tie_word_embeddings", False)
@@ -103,11 +117,17 @@ class LRKVConfig(PreTrainedConfig):
 
     # the names transformers and lm-evaluation-harness read; max_position_embeddings: the tokens a
     # sequence may hold, block_size less the end-of-text it is read after
-    vocab_size = model_arg("vocab_size")
+    vocab_size = model_arg("vocab_size", settable=True)  # resize_token_embeddings sets it
     hidden_size = model_arg("n_embd")
     num_hidden_layers = model_arg("n_layer")
     num_attention_heads = model_arg("n_head")
     max_position_embeddings = model_arg("block_size", less=1)
+
+
+class LRKVTokenizer(PreTrainedTokenizerFast):
+    """The folder's tokenizer.json as transformers' fast tokenizer, AutoTokenizer's class with
+    trust_remote_code=True (tokenizer_config.json's auto_map): a class of this file, so that a transformers
+    too old for the model stops at the tokenizer too, in check_transformers' line."""
 
 
 class PaddedRingKVCache(RingKVCache):
@@ -234,15 +254,31 @@ class LRKVCache(Cache):
 
 
 @dataclass
-class LRKVOutput(ModelOutput):
-    """What a forward gives, under the names of every transformers 5: the cache as `cache` (5.24 on) and
-    as `past_key_values` (before)."""
-    loss: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
+class LRKVModelOutput(ModelOutput):
+    """AutoModel's forward, under the names of every transformers 5: the cache as `cache` (5.24 on) and as
+    `past_key_values` (before); return_dict=False gives its tuple, the cache once."""
     last_hidden_state: torch.Tensor | None = None
     cache: Cache | None = None
     past_key_values: Cache | None = None
     hidden_states: tuple | None = None
+
+
+@dataclass
+class LRKVCausalLMOutput(ModelOutput):
+    """AutoModelForCausalLM's forward: the loss first, where Trainer looks for it (out["loss"], out[0])."""
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    cache: Cache | None = None
+    past_key_values: Cache | None = None
+    hidden_states: tuple | None = None
+
+
+def as_returned(output, return_dict, config):
+    """output, or with return_dict=False (config.return_dict where None) its tuple, as transformers' own models
+    give it: the fields that are not None, in order, the cache once (as past_key_values)."""
+    if (config.return_dict if return_dict is None else return_dict):
+        return output
+    return tuple(value for name, value in output.items() if name != "cache")
 
 
 class LRKVPreTrainedModel(PreTrainedModel):
@@ -251,6 +287,9 @@ class LRKVPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _supports_sdpa = True  # GPT attends through F.scaled_dot_product_attention, whatever was asked
     _no_split_modules = ["Block"]
+    # a batch's loss is the mean over its labels, on every release: Trainer gives no num_items_in_batch
+    # (5.0's counts each row's first label, which no prediction scores)
+    accepts_loss_kwargs = False
 
     def _init_weights(self, module):
         """The weights come from model.safetensors; the RoPE table, which no file holds, is GPT's own."""
@@ -277,22 +316,37 @@ class LRKVPreTrainedModel(PreTrainedModel):
             config = LRKVConfig.from_pretrained(pretrained_model_name_or_path, **where)
         weights = cached_file(pretrained_model_name_or_path, "model.safetensors", **where)
         check_weights(config, weights)
+        check_code(config, pretrained_model_name_or_path, where)
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
-        """Each block recomputed in the backward (torch.utils.checkpoint, non-reentrant), from outside GPT."""
-        for block in self.gpt().blocks:
-            forward = type(block).forward.__get__(block)  # the class's, bound
-            block.forward = functools.partial(torch.utils.checkpoint.checkpoint, forward, use_reentrant=False,
-                                              **(gradient_checkpointing_kwargs or {}))
-
-    def gradient_checkpointing_disable(self):
-        for block in self.gpt().blocks:
+    def _set_gradient_checkpointing(self, enable=True, gradient_checkpointing_func=checkpoint, every_n_layers=1):
+        """What transformers' gradient_checkpointing_enable (activation_checkpointing_enable from 5.25), its
+        disable and Trainer's gradient_checkpointing=True call: every every_n_layers-th block recomputed in
+        the backward by gradient_checkpointing_func (torch.utils.checkpoint, non-reentrant unless asked),
+        while the model trains with gradients; set from outside GPT, on its blocks."""
+        for i, block in enumerate(self.gpt().blocks):
             block.__dict__.pop("forward", None)
+            if enable and i % every_n_layers == 0:
+                forward = type(block).forward.__get__(block)  # the class's, bound
+
+                def checkpointed(*args, block=block, forward=forward):
+                    if block.training and torch.is_grad_enabled():
+                        return gradient_checkpointing_func(forward, *args)
+                    return forward(*args)
+                block.forward = checkpointed
 
     @property
-    def is_gradient_checkpointing(self):
+    def gradient_checkpointing(self):
+        """Whether a block is recomputed in the backward: transformers' is_gradient_checkpointing reads it."""
         return any("forward" in block.__dict__ for block in self.gpt().blocks)
+
+    def checkpointing(self):
+        """Whether this forward's blocks are recomputed in the backward, which a cache cannot live through
+        (a block's recomputation would read the cache as the forward left it)."""
+        return self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+
+    def set_output_embeddings(self, value):  # resize_token_embeddings
+        self.gpt().lm_head = value
 
 
 def check_weights(config, path):
@@ -301,12 +355,19 @@ def check_weights(config, path):
     another set of tensors, or of shapes, than the model of model_args, naming the fields that shape the
     first that differs."""
     with safetensors.safe_open(path, "pt") as f:
-        exported = json.loads((f.metadata() or {}).get("model_args", "null"))
+        metadata = f.metadata() or {}
         theirs = {name.removeprefix("model.gpt_model."): list(f.get_slice(name).get_shape())
                   for name in f.keys()}
+    exported, code = recorded(metadata, "model_args"), recorded(metadata, "code_sha256")
+    digest = metadata.get("model_args_sha256")
+    if digest is not None and sha256(metadata["model_args"].encode()) != digest:
+        raise ValueError("model.safetensors: its metadata model_args is not the record the export wrote (its "
+                         "SHA-256 is not model_args_sha256's): edited")
     args = config.model_args
     differ = [f"model_args.{field}={args.get(field)!r} where the weights were exported with {value!r}"
               for field, value in (exported or {}).items() if args.get(field) != value]
+    if code is not None and config.code_sha256 != code:
+        differ.append("code_sha256 where the weights were exported with other code files' digests")
     if differ:
         raise ValueError(f"config.json: {', '.join(differ)} (model.safetensors): another model")
     with torch.device("meta"):
@@ -318,6 +379,37 @@ def check_weights(config, path):
             fields_ = ", ".join(shaping_fields(config.model_args, name, made))
             raise ValueError(f"config.json: model_args {fields_} make {name} {made}, model.safetensors "
                              f"holds {held}")
+
+
+def recorded(metadata, field):
+    """The JSON object that model.safetensors' metadata records under field (None where it records none, as
+    a file that transformers' save_pretrained wrote), or a ValueError of one line naming the file and field."""
+    if field not in metadata:
+        return None
+    try:
+        value = json.loads(metadata[field])
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise ValueError(f"model.safetensors: its metadata {field} is not the JSON object the export writes: "
+                         f"{metadata[field][:60]!r}")
+    return value
+
+
+def sha256(data):
+    """The SHA-256 of bytes, in hex: the export's record of the folder's code and of its model_args."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def check_code(config, folder, where):
+    """A ValueError of one line naming the first code file of folder whose SHA-256 is not config.json's
+    code_sha256 (the export's record, which model.safetensors' metadata holds too): the folder runs the code
+    the export wrote, or says which file differs."""
+    for name, digest in sorted((config.code_sha256 or {}).items()):
+        with open(cached_file(folder, name, **where), "rb") as f:
+            if sha256(f.read()) != digest:
+                raise ValueError(f"{name}: not the file the export wrote (its SHA-256 is not config.json's "
+                                 "code_sha256): this folder's code was edited")
 
 
 def shaping_fields(args, name, shape):
@@ -359,24 +451,41 @@ class LRKVModel(LRKVPreTrainedModel):
     def set_input_embeddings(self, value):
         self.gpt_model.wte = value
 
+    def get_output_embeddings(self):
+        return self.gpt_model.lm_head
+
     def forward(self, input_ids=None, attention_mask=None, cache=None, past_key_values=None, use_cache=None,
-                output_hidden_states=None, inputs_embeds=None, position_ids=None, return_dict=None, **kwargs):
+                output_hidden_states=None, return_dict=None, **kwargs):
         """The final hidden states (B, T, d) of input_ids' T tokens (norm(x), what lm_head reads), and
-        every block's (output_hidden_states), after the cache's positions. attention_mask (B, S), S the
-        cached tokens and these T, 0 a pad; position_ids, which transformers passes, are recomputed from
-        it. With use_cache, the cache that holds these tokens too."""
-        if inputs_embeds is not None or input_ids is None:
-            raise ValueError("this model takes input_ids, not inputs_embeds")
+        every block's (output_hidden_states), after the cache's positions: read's."""
+        _, final, hidden, cache = self.read(input_ids, attention_mask, cache, past_key_values, use_cache,
+                                            output_hidden_states, kwargs)
+        return as_returned(LRKVModelOutput(last_hidden_state=final, cache=cache, past_key_values=cache,
+                                           hidden_states=hidden), return_dict, self.config)
+
+    def read(self, input_ids, attention_mask, cache, past_key_values, use_cache, output_hidden_states, kwargs):
+        """GPT's logits (B, T, vocab), final hidden states (B, T, d), every block's (output_hidden_states,
+        else None) of input_ids' T tokens after the cache's positions, and the cache that holds them too (with
+        use_cache; by default not while the model trains, as transformers' own models). attention_mask (B, S),
+        S the cached tokens and these T, 0 a pad; position_ids, which transformers passes, are recomputed
+        from it. kwargs: what else was passed, refused unless it asks nothing."""
+        refuse_unsupported(input_ids, kwargs)
         gpt, config = self.gpt_model, self.config
         cache = cache if cache is not None else past_key_values
-        use_cache = config.use_cache if use_cache is None else use_cache
-        if output_hidden_states is None:
-            output_hidden_states = getattr(config, "output_hidden_states", False)
-        B, T = input_ids.shape
         if cache is not None and not isinstance(cache, LRKVCache):
             if cache.get_seq_length() > 0:
                 raise ValueError(f"this model caches with an LRKVCache, not a {type(cache).__name__}")
             cache = None
+        use_cache = config.use_cache and not self.training if use_cache is None else use_cache
+        if self.checkpointing() and (use_cache or cache is not None):
+            if cache is not None and cache.ring is not None:
+                raise ValueError("under gradient checkpointing, each block is recomputed in the backward, which a "
+                                 "filled cache cannot be: pass no cache, or call gradient_checkpointing_disable()")
+            logger.warning_once("use_cache=True is incompatible with gradient checkpointing: no cache is kept")
+            use_cache, cache = False, None
+        if output_hidden_states is None:
+            output_hidden_states = getattr(config, "output_hidden_states", False)
+        B, T = input_ids.shape
         past = 0 if cache is None else cache.get_seq_length()
         if attention_mask is None:
             attention_mask = torch.ones(B, past + T, dtype=torch.long, device=input_ids.device)
@@ -388,22 +497,57 @@ class LRKVModel(LRKVPreTrainedModel):
             raise ValueError(f"a sequence holds at most {gpt.config.block_size - 1} tokens (block_size "
                              f"{gpt.config.block_size}, one of them the end-of-text it is read after), "
                              f"{past + T} were given")
-        if cache is None and not use_cache and bool(real.all()):  # training's path, if no row needs a mask
-            starts = input_ids[:, 0] == eot
-            if bool(starts.all()) or not bool(starts.any()):
-                idx = input_ids if bool(starts.all()) else torch.cat((torch.full_like(input_ids[:, :1], eot),
-                                                                       input_ids), 1)
-                logits, final, hidden = run(gpt, idx, None, output_hidden_states)
-                cut = idx.size(1) - T  # the end-of-text put before the rows, if any
-                return LRKVOutput(logits=logits[:, cut:].contiguous(), last_hidden_state=final[:, cut:],
-                                  hidden_states=tuple(h[:, cut:] for h in hidden) if hidden else None)
+        if cache is None and not use_cache:  # training's path
+            return (*read_rows_alone(gpt, input_ids, real, eot, output_hidden_states), None)
         cache = cache if cache is not None else LRKVCache()
         if cache.ring is None:
             cache.start(gpt, input_ids, real, eot)
         cache.ring.columns(torch.cat((cache.ring.real[:, :1], real), 1))
         logits, final, hidden = run(gpt, input_ids, cache.ring, output_hidden_states)
-        return LRKVOutput(logits=logits, last_hidden_state=final, cache=cache if use_cache else None,
-                          past_key_values=cache if use_cache else None, hidden_states=hidden or None)
+        return logits, final, hidden or None, cache if use_cache else None
+
+
+IGNORED = ("position_ids", "cache_position")  # what generate passes: positions come from the attention mask
+
+
+def refuse_unsupported(input_ids, kwargs):
+    """A ValueError of one line for what this model cannot do: inputs_embeds (it reads token ids, after
+    its end-of-text token's embedding), output_attentions (SDPA keeps no attention weights), or any other
+    argument that asks something (not None, not False)."""
+    if kwargs.get("inputs_embeds") is not None or input_ids is None:
+        raise ValueError("this model takes input_ids, not inputs_embeds: it reads every sequence after its "
+                         "end-of-text token")
+    if kwargs.get("output_attentions"):
+        raise ValueError("this model gives no attention weights (output_attentions=True): it attends through "
+                         "SDPA, which keeps none")
+    asked = [name for name, value in kwargs.items()
+             if name not in IGNORED and value is not None and value is not False]
+    if asked:
+        raise ValueError(f"this model takes no {asked[0]}")
+
+
+def read_rows_alone(gpt, input_ids, real, eot, output_hidden_states):
+    """GPT's training forward (no cache) of every row's tokens (real, (B, T): not a pad) after an end-of-text,
+    put before a row whose first token is not one: run's outputs in input_ids' columns. A row's pads move
+    after its tokens, where causal attention hides them, so that its positions are its tokens' count; a
+    pad's outputs are those of the last token read before it, a left pad's the end-of-text's: so the column
+    before a left-padded row's first token predicts it, as the end-of-text does."""
+    B, T = input_ids.shape
+    first = input_ids.gather(1, real.long().argmax(-1, keepdim=True))  # (B, 1): a row's first token
+    read = torch.cat((first != eot, real), 1)  # (B, 1 + T): the columns of [end-of-text, input_ids] a row reads
+    idx = torch.cat((torch.full_like(first, eot), input_ids), 1)  # (B, 1 + T)
+    if bool(real.all()) and bool((read[:, 0] == read[0, 0]).all()):  # no pad, every row alike: a slice
+        skip = int(read[0, 0])
+        logits, final, hidden = run(gpt, idx[:, 1 - skip:], None, output_hidden_states)
+        return logits[:, skip:].contiguous(), final[:, skip:], tuple(h[:, skip:] for h in hidden) or None
+    width = int(read.sum(-1).max())
+    order = torch.sort((~read).long(), dim=1, stable=True).indices[:, :width]  # the columns read, in order
+    logits, final, hidden = run(gpt, idx.gather(1, order), None, output_hidden_states)
+    place = (read.long().cumsum(-1) - 1).clamp(min=0)[:, 1:]  # (B, T): each column's place in its row read
+
+    def back(x):  # (B, width, ...) -> (B, T, ...), in input_ids' columns
+        return x.gather(1, place.view(B, T, *[1] * (x.dim() - 2)).expand(B, T, *x.shape[2:]))
+    return back(logits), back(final), tuple(back(h) for h in hidden) or None
 
 
 def run(gpt, idx, ring, output_hidden_states):
@@ -443,12 +587,13 @@ class LRKVForCausalLM(LRKVPreTrainedModel, GenerationMixin):
         return self.model.gpt_model.lm_head
 
     def forward(self, input_ids=None, attention_mask=None, cache=None, past_key_values=None, labels=None,
-                use_cache=None, output_hidden_states=None, **kwargs):
-        """LRKVModel.forward's, with its logits (B, T, vocab); labels (B, T): the loss of predicting each
-        token from those before it (-100: none), as transformers shifts them."""
-        out = self.model(input_ids, attention_mask, cache, past_key_values, use_cache, output_hidden_states,
-                         **kwargs)
-        if labels is not None:
-            out.loss = self.loss_function(out.logits, labels, self.config.vocab_size)
-        out.last_hidden_state = None
-        return out
+                use_cache=None, output_hidden_states=None, return_dict=None, num_items_in_batch=None, **kwargs):
+        """LRKVModel.read's logits (B, T, vocab), cache and hidden states; labels (B, T): the loss of predicting
+        each token from those before it (-100: none; a pad's label should be), as transformers shifts them:
+        their mean, or their sum over num_items_in_batch where a caller gives it (Trainer does not)."""
+        logits, _, hidden, cache = self.model.read(input_ids, attention_mask, cache, past_key_values, use_cache,
+                                                   output_hidden_states, kwargs)
+        loss = None if labels is None else self.loss_function(logits, labels, self.config.vocab_size,
+                                                              num_items_in_batch=num_items_in_batch)
+        return as_returned(LRKVCausalLMOutput(loss=loss, logits=logits, cache=cache, past_key_values=cache,
+                                              hidden_states=hidden), return_dict, self.config)

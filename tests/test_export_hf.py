@@ -8,9 +8,12 @@ as `lm_eval --model hf` and as a library, scores our log-likelihoods; MHA, GQA a
 transformers' own NanoChatForCausalLM, without remote code, and so does LRKV with --native; the
 tokenizers encode as the data's; bad input is one line and exit code 2 with nothing written."""
 
+import copy
 import dataclasses
 import errno
 import functools
+import hashlib
+import inspect
 import json
 import math
 import os
@@ -51,7 +54,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-VARIANTS = ("mha", "mqa", "gqa", "mla", "lrkv", "gta", "gla", "tpa", "mlra")
+VARIANTS = tuple(model_module.VARIANTS)  # every variant the repository names, a new one included
 NATIVE = ("mha", "mqa", "gqa")  # with cla=1: transformers' NanoChatForCausalLM
 # Every knob small; block_size fits a prompt and 40 new tokens, so that our generate never restarts its
 # context
@@ -241,8 +244,8 @@ def test_the_folder_runs_the_repositorys_code(exported):
         assert modeling.startswith((REPO / "hf" / "modeling_lrkv.py").read_text())
         files = {"model": REPO / "model.py", "ring": REPO / "lib/attention/ring.py",
                  "layout": REPO / "lib/attention/layout.py"}
-        if exported.attn in ("gta", "gla", "tpa", "mlra"):
-            files["rivals"] = REPO / "lib/attention/rivals.py"
+        own = Path(inspect.getsourcefile(model_module.attention_class(exported.attn)))  # the variant's file
+        files.setdefault(own.stem, own)
         assert sorted(p.stem for p in exported.out.glob("*.py")) == sorted([*files, "modeling_lrkv"])
         for name, source in files.items():
             ours = source.read_text().splitlines()
@@ -255,7 +258,35 @@ def test_the_folder_runs_the_repositorys_code(exported):
     assert card.startswith("---\nlicense: mit\nlibrary_name: transformers\npipeline_tag: text-generation\n")
     assert f"--attn={exported.attn}" in card and "export_hf.py" in card
     assert export_hf.transformers_requirement() in card
+    assert_card_names_the_variants_own_fields(exported, card)
     assert (exported.out / "LICENSE").read_text() == (REPO / "LICENSE").read_text()
+
+
+# the own fields (beyond every model's shape) of the variants whose cards the issue named, read off their classes
+OWN_FIELDS = {"mha": set(), "lrkv": {"lrkv_rank"}, "mla": {"kv_lora_rank", "rope_head_dim"},
+              "tpa": {"tpa_q_rank", "tpa_kv_rank"}}
+
+
+def assert_card_names_the_variants_own_fields(exported, card):
+    """The card's own fields: each one its attention class (or a class it derives from) reads from the config,
+    with the checkpoint's value (OWN_FIELDS' exactly); the cache bytes per token in the weights' dtype, fp32,
+    and in bf16; a snippet loading this folder; its limitations, the context first."""
+    model = exported.model
+    listed = re.search(r"; its own: (.*?); rope_theta ", card)
+    listed = dict(pair.split(" ") for pair in listed.group(1).split(", ")) if listed else {}
+    attention = type(model.blocks[0].attn)
+    read = {name for cls in attention.__mro__ if issubclass(cls, model_module.Attention)
+            for name in re.findall(r"config\.(\w+)", inspect.getsource(cls))}
+    assert set(listed) <= read - set(export_hf.SHAPE), listed
+    assert listed == {name: str(exported.model_args[name]) for name in listed}
+    if exported.attn in OWN_FIELDS:
+        assert set(listed) == OWN_FIELDS[exported.attn], card
+    per_token = [model.kv_cache_bytes(1, 1, dtype) for dtype in (torch.float32, torch.bfloat16)]
+    assert f"{per_token[0]:,} bytes per token in fp32, {per_token[1]:,} in bf16" in card
+    trust = "" if exported.native else ", trust_remote_code=True"
+    assert f'folder = "{exported.out}"\nmodel = AutoModelForCausalLM.from_pretrained(folder{trust})' in card
+    context = model.config.block_size - (not exported.native)
+    assert f"Limitations:\n\n- The context: {context} tokens of a sequence's own" in card
 
 
 @torch.no_grad()
@@ -274,6 +305,9 @@ def test_native_lrkv_equals_ours_with_mha_sized_cache(build):
     mha = 2 * c.n_layer * ids.size(1) * c.n_head * c.head_dim * 4  # every head's key and value, fp32
     assert cache_bytes(cache) == mha
     assert cache_bytes(cache) > model.kv_cache_bytes(1, ids.size(1), torch.float32)
+    card = (lrkv.out / "README.md").read_text()  # MHA's bytes per token, in the weights' fp32 and in bf16
+    per_token = mha // ids.size(1)
+    assert f"DynamicCache, {per_token:,} bytes per token in fp32, {per_token // 2:,} in bf16" in card
 
 
 # Sliding windows and shared keys: remote code for every variant, MHA's included. Every variant
@@ -510,23 +544,143 @@ def test_sdpa_automodel_and_hidden_states(build):
         torch.testing.assert_close(out.hidden_states[-1], final, atol=1e-5, rtol=0)
 
 
-def test_gradient_checkpointing_gives_the_same_gradients(build):
-    """gradient_checkpointing_enable() recomputes each block in the backward: the loss and every
-    gradient as without it, through the training path (no cache, no pad)."""
-    lrkv = build("lrkv", 1)
+def our_loss_and_gradients(exported, hf, ids, real=None):
+    """Our GPT with hf's weights: the loss of predicting every row's tokens ids (B, T) after the first, read
+    after end-of-text (real (B, T): not a pad; each row alone, its pads dropped, the first token scored too
+    where a pad stands before it, the loss the mean over all rows' predictions), and each weight's gradient
+    under hf's name."""
+    ours = copy.deepcopy(exported.model).train()
+    ours.load_state_dict({name.removeprefix("model.gpt_model."): w for name, w in hf.state_dict().items()})
+    real = torch.ones_like(ids, dtype=torch.bool) if real is None else real
+    losses, scored = [], 0
+    for row, mask in zip(ids, real):  # GPT's own loss: a target -1 is not scored
+        row, padded = row[mask], not bool(mask.all())
+        first = row[:1] if padded else torch.tensor([-1])
+        idx, targets = torch.cat((torch.tensor([EOT]), row[:-1]))[None], torch.cat((first, row[1:]))[None]
+        losses.append(ours(idx, targets)[1] * (len(row) - 1 + padded))
+        scored += len(row) - 1 + padded
+    loss = sum(losses) / scored
+    loss.backward()
+    return loss.detach(), {f"model.gpt_model.{name}": p.grad for name, p in ours.named_parameters()}
+
+
+def assert_equal_to_ours(exported, hf, ids, loss, real=None):
+    ours, grads = our_loss_and_gradients(exported, hf, ids, real)
+    torch.testing.assert_close(loss.detach(), ours, atol=1e-5, rtol=0)
+    for name, p in hf.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("layout", [None, "window-cla2-yoco"])
+def test_training_forward_with_checkpointing_and_no_use_cache(build, layout):
+    """A training forward as transformers users write it, no use_cache argument: no cache kept while the model
+    trains; with gradient_checkpointing_enable() each block is recomputed in the backward (its attention runs
+    twice); the loss first in the output (out[0], out["loss"]) and in return_dict=False's tuple; the loss and
+    every gradient our GPT's, on a batch without pads and on a left-padded one (each row as alone, its pads'
+    labels -100, its first token predicted by the pad before it as by the end-of-text), and the same again
+    after gradient_checkpointing_disable(); where transformers has every_n_layers (5.25), only those blocks
+    recomputed; in eval mode (from_pretrained's) with checkpointing enabled, the same loss and gradients
+    through the cache. Plain, and with windows, shared keys and YOCO (layers reading an owner's keys)."""
+    lrkv = build("lrkv", **LAYOUTS.get(layout, {}))
     hf = AutoModelForCausalLM.from_pretrained(lrkv.out, trust_remote_code=True).train()
-    ids = lrkv.tok([PROMPTS[0][:12]] * 2, return_tensors="pt")["input_ids"]
-    grads = []
-    for checkpointing in (False, True):
-        (hf.gradient_checkpointing_enable if checkpointing else hf.gradient_checkpointing_disable)()
-        assert hf.is_gradient_checkpointing == checkpointing
-        hf.zero_grad()
-        loss = hf(ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        grads.append((loss.detach(), [p.grad.clone() for p in hf.parameters()]))
-    torch.testing.assert_close(grads[0][0], grads[1][0])
-    for a, b in zip(grads[0][1], grads[1][1]):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    ids = lrkv.tok([PROMPTS[0][:12], PROMPTS[0][5:17]], return_tensors="pt")["input_ids"]
+    padded = lrkv.tok(PROMPTS, padding=True, return_tensors="pt")
+    labels = padded["input_ids"].masked_fill(padded["attention_mask"] == 0, -100)
+    runs = []
+    hf.model.gpt_model.blocks[0].attn.register_forward_pre_hook(lambda module, args: runs.append(1))
+    for checkpointing in (True, False):
+        hf.gradient_checkpointing_enable() if checkpointing else hf.gradient_checkpointing_disable()
+        assert hf.gradient_checkpointing == checkpointing
+        for batch, real in ((dict(input_ids=ids, labels=ids), None),
+                            (dict(**padded, labels=labels), padded["attention_mask"].bool())):
+            hf.zero_grad()
+            runs.clear()
+            out = hf(**batch)
+            assert list(out.keys()) == ["loss", "logits"] and out[0] is out["loss"] is out.loss
+            out.loss.backward()
+            assert len(runs) == 1 + checkpointing
+            assert_equal_to_ours(lrkv, hf, batch["input_ids"], out.loss, real)
+        as_tuple = hf(ids, labels=ids, return_dict=False)
+        assert isinstance(as_tuple, tuple) and len(as_tuple) == 2
+        torch.testing.assert_close(as_tuple[0], out.loss.new_tensor(our_loss_and_gradients(lrkv, hf, ids)[0]),
+                                   atol=1e-5, rtol=0)
+    if hasattr(hf, "activation_checkpointing_enable"):  # 5.25's every_n_layers=2: block 0 recomputed, not 1
+        hf.train().activation_checkpointing_enable(every_n_layers=2)
+        per_block = []
+        hf.model.gpt_model.blocks[1].attn.register_forward_pre_hook(lambda module, args: per_block.append(1))
+        runs.clear()
+        hf(ids, labels=ids).loss.backward()
+        assert (len(runs), len(per_block)) == (2, 1)
+    hf.eval().gradient_checkpointing_enable()  # as from_pretrained leaves it: no recomputation, a cache kept
+    hf.zero_grad()
+    out = hf(ids, labels=ids)
+    out.loss.backward()
+    assert_equal_to_ours(lrkv, hf, ids, out.loss)
+    with torch.no_grad():
+        assert cache_of(hf(ids)) is not None  # outside training the cache is kept, as generate wants it
+        assert tuple(type(x).__name__ for x in hf(ids, return_dict=False)) == ("Tensor", "LRKVCache")
+
+
+@pytest.mark.parametrize("attn, checkpointing", [("lrkv", True), ("mla", True), ("lrkv", False)])
+def test_trainer_gives_our_loss_and_gradients(build, attn, checkpointing, tmp_path):
+    """transformers' Trainer, gradient_checkpointing=True (and without), 3 steps of 2 rows: at every step,
+    before the optimizer moves the weights, the loss and every gradient are our GPT's on the same batch
+    (1e-5), and each block ran twice where checkpointed; Trainer.evaluate gives our loss."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    exported = build(attn, 1)
+    hf = AutoModelForCausalLM.from_pretrained(exported.out, trust_remote_code=True)
+    text = (PROMPTS[0] * 4).encode()
+    data = [dict(input_ids=torch.tensor([*text[i:i + 16]]), labels=torch.tensor([*text[i:i + 16]]))
+            for i in range(6)]
+    seen, runs, checked = [], [], []
+    hf.register_forward_hook(lambda module, args, kwargs, out: seen.append((kwargs["input_ids"], out.loss)),
+                             with_kwargs=True)
+    hf.model.gpt_model.blocks[0].attn.register_forward_pre_hook(lambda module, args: runs.append(1))
+
+    class Check(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            ids, loss = seen[-1]
+            assert_equal_to_ours(exported, hf, ids, loss)
+            checked.append(len(runs))
+
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2,
+                             gradient_checkpointing=checkpointing, learning_rate=1e-2, max_grad_norm=0,
+                             report_to="none", save_strategy="no", logging_strategy="no", use_cpu=True,
+                             disable_tqdm=True)
+    trainer = Trainer(model=hf, args=args, train_dataset=data, callbacks=[Check()])
+    trainer.train()
+    assert checked == [(1 + checkpointing) * step for step in (1, 2, 3)] and len(seen) == 3
+    if not checkpointing:  # evaluate: the loss of the trained weights, ours
+        loss = trainer.evaluate(data[:2])["eval_loss"]
+        ids = torch.stack([row["input_ids"] for row in data[:2]])
+        assert loss == pytest.approx(our_loss_and_gradients(exported, hf, ids)[0].item(), abs=1e-5)
+
+
+@torch.no_grad()
+def test_resize_token_embeddings_and_what_the_model_refuses(build, tmp_path):
+    """resize_token_embeddings: the vocabulary grows, the old tokens' logits unchanged; config.json's model_args
+    follow, and the folder saved and loaded again gives the same logits. inputs_embeds, output_attentions and
+    any other argument that asks something: one line each."""
+    lrkv = build("lrkv", 1)
+    hf = AutoModelForCausalLM.from_pretrained(lrkv.out, trust_remote_code=True).eval()
+    ids = ids_of(lrkv, PROMPTS[0])
+    before = hf(ids).logits
+    hf.resize_token_embeddings(BYTES + 44)
+    after = hf(ids).logits
+    assert after.shape[-1] == hf.config.vocab_size == hf.config.model_args["vocab_size"] == BYTES + 44
+    torch.testing.assert_close(after[..., :BYTES], before, atol=1e-6, rtol=0)
+    hf.save_pretrained(tmp_path / "resized")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "resized", trust_remote_code=True)
+    torch.testing.assert_close(again(ids).logits, after, atol=0, rtol=0)
+    embeds = hf.get_input_embeddings()(ids)
+    for kwargs, message in [(dict(inputs_embeds=embeds), r"takes input_ids, not inputs_embeds"),
+                            (dict(input_ids=ids, output_attentions=True), r"gives no attention weights"),
+                            (dict(input_ids=ids, head_mask=torch.ones(4)), r"takes no head_mask$")]:
+        for model in (hf, hf.model):
+            with pytest.raises(ValueError, match=rf"^this model {message}") as error:
+                model(**kwargs)
+            assert "\n" not in str(error.value)
 
 
 @torch.no_grad()
@@ -572,6 +726,43 @@ def test_a_variant_defined_only_in_a_test_exports(data_dir, tmp_path, monkeypatc
     with torch.no_grad():
         ours = model(torch.cat((torch.full_like(ids[:, :1], EOT), ids), 1))[0][:, 1:]
         torch.testing.assert_close(hf(ids).logits, ours, atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+def full_forward_greedy(model, ids, new_tokens):
+    """Our greedy tokens (1, new_tokens) after ids (1, T), read after end-of-text, each the argmax of our
+    GPT's full forward over all before it: no cache, no decoding path."""
+    idx = torch.cat((torch.full_like(ids[:, :1], EOT), ids), 1)
+    for _ in range(new_tokens):
+        idx = torch.cat((idx, model(idx)[0][:, -1:].argmax(-1)), 1)
+    return idx[:, ids.size(1) + 1:]
+
+
+@pytest.mark.parametrize("layout", ["plain", "cla2", "window-cla2-yoco"])
+def test_a_variant_with_its_own_softmax_exports_equal(data_dir, tmp_path, monkeypatch, layout):
+    """tests/variants.py's ScaledSoftmaxAttention (LRKV whose softmax has a learned temperature per head,
+    times 1 + layer / 4: an attend of its own, which a layer reading another's keys must use), registered
+    under an --attn name for this test alone: trained, exported and loaded, plain, with --cla=2 and with
+    windows, --cla=2 and --yoco, its logits are ours (1e-5) and its greedy tokens our full forward's."""
+    from variants import ScaledSoftmaxAttention
+
+    monkeypatch.setitem(model_module.VARIANTS, "lrkv_scaled_softmax_test", ScaledSoftmaxAttention)
+    run, out = tmp_path / "run", tmp_path / "hf"
+    knobs = {"plain": {}, "cla2": dict(cla=2), **LAYOUTS}[layout]
+    flags = {**TINY, **knobs, "attn": "lrkv_scaled_softmax_test", "data_dir": data_dir, "out_dir": run,
+             "optimizer": "adamw"}  # tau is no matrix: Muon takes matrices only
+    assert train.main([f"--{k}={v}" for k, v in flags.items()]) == 0
+    assert export_hf.main([str(run / "ckpt.pt"), str(out)]) == 0
+    hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    _, model = load_checkpoint(run / "ckpt.pt", "cpu")
+    model.eval()
+    assert type(hf.model.gpt_model.blocks[1].attn).__name__ == "ScaledSoftmaxAttention"
+    ids = torch.tensor([[*PROMPTS[0].encode()]])
+    with torch.no_grad():
+        ours = model(torch.cat((torch.full_like(ids[:, :1], EOT), ids), 1))[0][:, 1:]
+        torch.testing.assert_close(hf(ids).logits, ours, atol=1e-5, rtol=0)
+        greedy = hf.generate(ids, max_new_tokens=NEW_TOKENS // 2, do_sample=False)[:, ids.size(1):]
+    assert torch.equal(greedy, stop_at_eot(full_forward_greedy(model, ids, NEW_TOKENS // 2)))
 
 
 def test_a_variant_whose_file_imports_what_a_folder_cannot_hold_is_one_line(build, tmp_path, monkeypatch,
@@ -748,6 +939,60 @@ def test_fields_that_disagree_with_the_weights_are_refused_by_name(build, tmp_pa
         refused(disagreeing, named, "model.safetensors holds")
 
 
+def with_metadata(folder, tmp_path, **edits):
+    """A copy of folder whose model.safetensors' metadata edits change."""
+    copy = tmp_path / "edited"
+    shutil.copytree(folder, copy)
+    with safetensors.safe_open(copy / "model.safetensors", "pt") as f:
+        metadata = f.metadata()
+    weights = safetensors.torch.load_file(copy / "model.safetensors")
+    safetensors.torch.save_file(weights, copy / "model.safetensors", metadata={**metadata, **edits})
+    return copy
+
+
+def refused_in_one_line(folder, pattern):
+    with pytest.raises(ValueError, match=pattern) as error:
+        AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    assert "\n" not in str(error.value)
+
+
+def test_weights_whose_model_args_record_is_not_json_are_refused_naming_file_and_field(build, tmp_path):
+    lrkv = build("lrkv", 2)
+    refused_in_one_line(with_metadata(lrkv.out, tmp_path, model_args="{not json"),
+                        r"^model\.safetensors: its metadata model_args is not the JSON object the export writes: "
+                        r"'\{not json'$")
+    shutil.rmtree(tmp_path / "edited")
+    refused_in_one_line(with_metadata(lrkv.out, tmp_path, code_sha256="[1, 2]"),
+                        r"^model\.safetensors: its metadata code_sha256 is not the JSON object")
+
+
+def test_the_folder_runs_the_code_the_export_wrote_or_names_the_file(build, tmp_path):
+    """An edited copy of a code file (model.py's MLP scaling its output by 1.5) is refused, naming the file; so
+    are config.json and the weights' metadata edited together (another rope_theta in both), and config.json's
+    digests edited to match the edited file, which the weights' metadata records too. Each digest is the
+    file's SHA-256, computed here."""
+    lrkv = build("lrkv", 2)
+    config = json.loads((lrkv.out / "config.json").read_text())
+    assert config["code_sha256"] == {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+                                     for p in lrkv.out.glob("*.py")}
+    copy = tmp_path / "edited"
+    shutil.copytree(lrkv.out, copy)
+    source = (copy / "model.py").read_text()
+    scaled = source.replace("return x + self.mlp.W_out(", "return x + 1.5 * self.mlp.W_out(", 1)
+    assert scaled != source
+    (copy / "model.py").write_text(scaled)
+    refused_in_one_line(copy, r"^model\.py: not the file the export wrote \(its SHA-256 is not config\.json's "
+                              r"code_sha256\): this folder's code was edited$")
+    config["code_sha256"]["model.py"] = hashlib.sha256(scaled.encode()).hexdigest()
+    (copy / "config.json").write_text(json.dumps(config))
+    refused_in_one_line(copy, r"^config\.json: code_sha256 where the weights were exported with other code")
+    shutil.rmtree(copy)
+    args = {**lrkv.model_args, "rope_theta": 20000.0}
+    both = edited(with_metadata(lrkv.out, tmp_path, model_args=json.dumps(args)).rename(tmp_path / "both"),
+                  tmp_path, lambda c: c["model_args"].update(rope_theta=20000.0))
+    refused_in_one_line(both, r"^model\.safetensors: its metadata model_args is not the record the export wrote")
+
+
 def test_a_bad_end_of_text_or_variant_is_refused(build, tmp_path):
     lrkv = build("lrkv", 2)
     refused(edited(lrkv.out, tmp_path, lambda c: c.update(eot_id=None)), "eot_id=None")
@@ -759,8 +1004,8 @@ def test_a_bad_end_of_text_or_variant_is_refused(build, tmp_path):
 
 def test_too_old_a_transformers_is_one_line(build):
     """The folder's code says which transformers it needs, in one line, where an older one imports it
-    (its import calls check_transformers with transformers' version); the version is requirements-hf.txt's
-    lowest."""
+    (its import calls check_transformers with transformers' version), for the model and for the tokenizer,
+    whose class it holds; the version is requirements-hf.txt's lowest."""
     lrkv = build("lrkv", 2)
     module = sys.modules[type(lrkv.hf).__module__]
     low = re.search(r"transformers>=([0-9.]+)", export_hf.transformers_requirement()).group(1)
@@ -769,6 +1014,10 @@ def test_too_old_a_transformers_is_one_line(build):
     with pytest.raises(ImportError, match=message):
         module.check_transformers("4.57.3")
     module.check_transformers(transformers.__version__)
+    # the tokenizer's class is the same file's (tokenizer_config.json's auto_map), so that too stops there
+    assert type(lrkv.tok).__module__ == type(lrkv.hf).__module__
+    record = json.loads((lrkv.out / "tokenizer_config.json").read_text())
+    assert record["auto_map"] == {"AutoTokenizer": [None, "modeling_lrkv.LRKVTokenizer"]}
 
 
 # export_hf.py's own failures: a full disk, a folder it cannot write, a tokenizer record of another age,
@@ -795,6 +1044,37 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(build, tmp_path, monkeypatch
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_full_disk_while_the_tokenizer_writes_is_one_line(build, tmp_path, monkeypatch, capsys):
+    """The tokenizers library's own error for a full disk, a bare Exception: its tokenizer.json written to
+    /dev/full, a device that is always full."""
+    real = export_hf.tokenizer
+
+    def onto_a_full_disk(*args):
+        backend = real(*args).backend_tokenizer
+        return SimpleNamespace(save_pretrained=lambda folder: backend.save("/dev/full"))
+
+    ckpt = build("lrkv", 1).ckpt
+    capsys.readouterr()
+    monkeypatch.setattr(export_hf, "tokenizer", onto_a_full_disk)
+    assert export_hf.main([str(ckpt), str(tmp_path / "out")]) == 2
+    err = one_line_error(capsys)
+    assert "cannot be written: No space left on device (os error 28); nothing was written" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_during_an_export_is_one_line_and_leaves_nothing(build, tmp_path, monkeypatch, capsys):
+    """Ctrl-C while the folder is written (here as the card is): one line, exit code 130, nothing left."""
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    ckpt = build("lrkv", 1).ckpt
+    capsys.readouterr()
+    monkeypatch.setattr(export_hf, "card", interrupted)
+    assert export_hf.main([str(ckpt), str(tmp_path / "new" / "out")]) == 130
+    assert one_line_error(capsys) == "export_hf.py: interrupted; nothing was written\n"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_folder_it_cannot_write_is_one_line(build, tmp_path, capsys):
     """OUT_DIR under a file (root writes any folder, so a file stands where a folder must)."""
     (tmp_path / "file").write_text("a file")
@@ -806,10 +1086,13 @@ def test_a_folder_it_cannot_write_is_one_line(build, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("record, exports", [
-    ({"tokenizer": "byte"}, True),  # an older record: its vocabulary and end-of-text are the tokenizer's
-    ({"tokenizer": "byte", "vocab_size": "256", "eot_id": None}, True),  # read as sample.py reads it
+    ({"tokenizer": "byte", "vocab_size": 256, "eot_id": 0}, "silently"),  # the record of today's meta.json
+    ({"tokenizer": "byte"}, "vocab_size=None, eot_id=None"),  # older: the tokenizer's vocabulary and end-of-text
+    ({"tokenizer": "byte", "vocab_size": "256", "eot_id": None}, "vocab_size='256', eot_id=None"),
     (None, False), ({"tokenizer": "sentencepiece"}, False), ("byte", False)])
 def test_tokenizer_records_of_another_age(build, tmp_path, capsys, record, exports):
+    """A record the export reads as sample.py does, by the tokenizer's name, says so in one line on stderr
+    naming what it lacks; one it cannot read is refused in one line, nothing written."""
     ckpt = torch.load(build("lrkv", 1).ckpt, weights_only=True)
     if record is None:
         del ckpt["tokenizer"]
@@ -822,6 +1105,12 @@ def test_tokenizer_records_of_another_age(build, tmp_path, capsys, record, expor
     code = export_hf.main([str(tmp_path / "ckpt.pt"), str(tmp_path / "out")])
     if exports:
         assert code == 0 and (tmp_path / "out" / "tokenizer.json").exists()
+        err = capsys.readouterr().err
+        if exports == "silently":
+            assert err == ""
+        else:
+            assert err == (f"export_hf.py: {tmp_path / 'ckpt.pt'}: its tokenizer record has {exports}: exported "
+                           "as the 'byte' tokenizer's, 256 tokens, end-of-text id 0\n")
     else:
         assert code == 2 and "tokenizer" in one_line_error(capsys)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
