@@ -47,7 +47,7 @@ import torch
 from lib.attention.heads import head_kv_weights
 from lib.attention.layout import kv_source, layer_window
 from lib.training.checkpoint import load_checkpoint
-from lib.training.configurator import ArgumentParser, ConfigError
+from lib.training.configurator import ArgumentParser, ConfigError, run_main
 from lib.training.data import load_tokenizer
 from lib.training.hardware import check_environment
 from model import attention_class
@@ -588,4 +588,4 @@ Log-likelihoods and greedy tokens equal the repository's model.py (docs/export.m
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

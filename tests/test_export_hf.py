@@ -749,8 +749,7 @@ def test_a_variant_with_its_own_softmax_exports_equal(data_dir, tmp_path, monkey
     monkeypatch.setitem(model_module.VARIANTS, "lrkv_scaled_softmax_test", ScaledSoftmaxAttention)
     run, out = tmp_path / "run", tmp_path / "hf"
     knobs = {"plain": {}, "cla2": dict(cla=2), **LAYOUTS}[layout]
-    flags = {**TINY, **knobs, "attn": "lrkv_scaled_softmax_test", "data_dir": data_dir, "out_dir": run,
-             "optimizer": "adamw"}  # tau is no matrix: Muon takes matrices only
+    flags = {**TINY, **knobs, "attn": "lrkv_scaled_softmax_test", "data_dir": data_dir, "out_dir": run}
     assert train.main([f"--{k}={v}" for k, v in flags.items()]) == 0
     assert export_hf.main([str(run / "ckpt.pt"), str(out)]) == 0
     hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
