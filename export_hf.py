@@ -134,7 +134,8 @@ def say_an_older_tokenizer_record(path, record, tok):
                if type(record.get(field)) is not int or record[field] != ours]
     if lacking:
         print(f"export_hf.py: {path}: its tokenizer record has {', '.join(lacking)}: exported as the "
-              f"{tok.name!r} tokenizer's, {tok.vocab_size} tokens, end-of-text id {tok.eot_id}", file=sys.stderr)
+              f"{tok.name!r} tokenizer's, {tok.vocab_size} tokens, end-of-text id {tok.eot_id}",
+              file=sys.stderr)
 
 
 def check(path, tok, config, native, remote_code):
@@ -267,7 +268,8 @@ def export(ckpt, model, tok, native, files, folder, command, out):
         for name, text in sources.items():
             (folder / f"{name}.py").write_text(text)
         (folder / "modeling_lrkv.py").write_text(modeling_file(sources))
-        code = {file.name: hashlib.sha256(file.read_bytes()).hexdigest() for file in sorted(folder.glob("*.py"))}
+        code = {file.name: hashlib.sha256(file.read_bytes()).hexdigest()
+                for file in sorted(folder.glob("*.py"))}
         write_config(folder, c, eot, variant, next(model.parameters()).dtype, code)
         weights = {f"model.gpt_model.{name}": w.contiguous() for name, w in model.state_dict().items()}
         # the weights record the model_args they were exported with (and their SHA-256) and the code files'
@@ -284,7 +286,7 @@ def export(ckpt, model, tok, native, files, folder, command, out):
                      suppress_tokens=padding or None).save_pretrained(folder)
     try:
         tokenizer(tok, c.block_size, native).save_pretrained(folder)
-    except Exception as e:  # the tokenizers library raises a bare Exception for an OS error, a full disk's too
+    except Exception as e:  # the tokenizers library raises a bare Exception for an OS error (a full disk)
         if type(e) is not Exception:
             raise
         raise OSError(" ".join(str(e).split())) from None
@@ -486,8 +488,9 @@ def own_fields(c):
 
 
 def card(ckpt, model, tok, native, command, out):
-    """README.md: the Hub's YAML header (licence, library, pipeline, tags), then what the model is (its own
-    fields), how it loads (a snippet for the folder at out), what it caches, its limits and how it was made."""
+    """README.md: the Hub's YAML header (licence, library, pipeline, tags), then what the model is (its
+    own fields), how it loads (a snippet for the folder at out), what it caches, its limits and how it
+    was made."""
     c, cfg = model.config, ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {}
     meta = ckpt["tokenizer"] if isinstance(ckpt.get("tokenizer"), dict) else {}
     dtype = next(model.parameters()).dtype
@@ -527,16 +530,17 @@ def card(ckpt, model, tok, native, command, out):
             cache += (f"; a layer whose readers all have a window keeps only its last {c.window} positions, "
                       f"so a whole context of {c.block_size} tokens holds {full:,} bytes in bf16, not "
                       f"{c.block_size * model.kv_cache_bytes(1, 1, torch.bfloat16):,}")
-            limits.append("Its cache cannot be cropped (a window's ring forgets what it passes): assisted and "
-                          "prompt-lookup decoding are refused in one line")
+            limits.append("Its cache cannot be cropped (a window's ring forgets what it passes): assisted "
+                          "and prompt-lookup decoding are refused in one line")
         reading = (f"The model reads every sequence after an end-of-text (id {tok.eot_id}), as every "
                    "training document starts with one, and the tokenizer adds none: a text is scored and "
                    "continued as this repository's sample.py and eval.py do, by lm-eval too")
-        limits += ["It attends through SDPA, whatever `attn_implementation` asks; it takes `input_ids`, not "
-                   "`inputs_embeds`, and gives no attention weights (`output_attentions`): each refused in one "
-                   "line. Its cache is not a static one: `generate` does not compile it",
-                   "Trained through transformers (`Trainer`, gradient checkpointing), a left-padded row's first "
-                   "token is predicted by the pad before it, as by the end-of-text: give pads the label -100"]
+        limits += ["It attends through SDPA, whatever `attn_implementation` asks; it takes `input_ids`, "
+                   "not `inputs_embeds`, and gives no attention weights (`output_attentions`): each refused "
+                   "in one line. Its cache is not a static one: `generate` does not compile it",
+                   "Trained through transformers (`Trainer`, gradient checkpointing), a left-padded row's "
+                   "first token is predicted by the pad before it, as by the end-of-text: give pads the "
+                   "label -100"]
     vocabulary = ("GPT-2's byte-pair encoding, 50,257 tokens (OpenAI, MIT licence)" if tok.name == "gpt2"
                   else "one token a byte, 256")
     steps, batch = ckpt.get("step"), cfg.get("batch_size")

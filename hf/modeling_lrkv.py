@@ -82,12 +82,15 @@ class LRKVConfig(PreTrainedConfig):
     model_type = "lrkv"
     keys_to_ignore_at_inference = ["cache", "past_key_values"]  # Trainer.evaluate gathers logits, not caches
 
-    def __init__(self, model_args=None, eot_id=None, variant=None, code_sha256=None, use_cache=True, **kwargs):
+    def __init__(self, model_args=None, eot_id=None, variant=None, code_sha256=None, use_cache=True,
+                 **kwargs):
         self.model_args, self.eot_id, self.variant, self.use_cache = model_args, eot_id, variant, use_cache
         self.code_sha256 = code_sha256  # {file: SHA-256} of the folder's code, as the export wrote it
         if code_sha256 is not None and not (isinstance(code_sha256, dict) and all(
-                re.fullmatch(r"\w+\.py", str(name)) and isinstance(d, str) for name, d in code_sha256.items())):
-            raise ValueError(f"config.json: code_sha256={code_sha256!r}: must be the code files' SHA-256 digests")
+                re.fullmatch(r"\w+\.py", str(name)) and isinstance(d, str)
+                for name, d in code_sha256.items())):
+            raise ValueError(f"config.json: code_sha256={code_sha256!r}: must be the code files' SHA-256 "
+                             "digests")
         if model_args is not None:  # what transformers makes with no arguments is never a model's
             self.gpt_config()  # refused here, at load, in one line
         kwargs.setdefault("tie_word_embeddings", False)
@@ -274,8 +277,8 @@ class LRKVCausalLMOutput(ModelOutput):
 
 
 def as_returned(output, return_dict, config):
-    """output, or with return_dict=False (config.return_dict where None) its tuple, as transformers' own models
-    give it: the fields that are not None, in order, the cache once (as past_key_values)."""
+    """output, or with return_dict=False (config.return_dict where None) its tuple, as transformers' own
+    models give it: the fields that are not None, in order, the cache once (as past_key_values)."""
     if (config.return_dict if return_dict is None else return_dict):
         return output
     return tuple(value for name, value in output.items() if name != "cache")
@@ -319,7 +322,8 @@ class LRKVPreTrainedModel(PreTrainedModel):
         check_code(config, pretrained_model_name_or_path, where)
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
-    def _set_gradient_checkpointing(self, enable=True, gradient_checkpointing_func=checkpoint, every_n_layers=1):
+    def _set_gradient_checkpointing(self, enable=True, gradient_checkpointing_func=checkpoint,
+                                    every_n_layers=1):
         """What transformers' gradient_checkpointing_enable (activation_checkpointing_enable from 5.25), its
         disable and Trainer's gradient_checkpointing=True call: every every_n_layers-th block recomputed in
         the backward by gradient_checkpointing_func (torch.utils.checkpoint, non-reentrant unless asked),
@@ -382,8 +386,9 @@ def check_weights(config, path):
 
 
 def recorded(metadata, field):
-    """The JSON object that model.safetensors' metadata records under field (None where it records none, as
-    a file that transformers' save_pretrained wrote), or a ValueError of one line naming the file and field."""
+    """The JSON object that model.safetensors' metadata records under field (None where it records none,
+    as a file that transformers' save_pretrained wrote), or a ValueError of one line naming the file and
+    field."""
     if field not in metadata:
         return None
     try:
@@ -463,7 +468,8 @@ class LRKVModel(LRKVPreTrainedModel):
         return as_returned(LRKVModelOutput(last_hidden_state=final, cache=cache, past_key_values=cache,
                                            hidden_states=hidden), return_dict, self.config)
 
-    def read(self, input_ids, attention_mask, cache, past_key_values, use_cache, output_hidden_states, kwargs):
+    def read(self, input_ids, attention_mask, cache, past_key_values, use_cache, output_hidden_states,
+             kwargs):
         """GPT's logits (B, T, vocab), final hidden states (B, T, d), every block's (output_hidden_states,
         else None) of input_ids' T tokens after the cache's positions, and the cache that holds them too (with
         use_cache; by default not while the model trains, as transformers' own models). attention_mask (B, S),
@@ -479,9 +485,11 @@ class LRKVModel(LRKVPreTrainedModel):
         use_cache = config.use_cache and not self.training if use_cache is None else use_cache
         if self.checkpointing() and (use_cache or cache is not None):
             if cache is not None and cache.ring is not None:
-                raise ValueError("under gradient checkpointing, each block is recomputed in the backward, which a "
-                                 "filled cache cannot be: pass no cache, or call gradient_checkpointing_disable()")
-            logger.warning_once("use_cache=True is incompatible with gradient checkpointing: no cache is kept")
+                raise ValueError("under gradient checkpointing, each block is recomputed in the backward, "
+                                 "which a filled cache cannot be: pass no cache, or call "
+                                 "gradient_checkpointing_disable()")
+            logger.warning_once("use_cache=True is incompatible with gradient checkpointing: no cache is "
+                                "kept")
             use_cache, cache = False, None
         if output_hidden_states is None:
             output_hidden_states = getattr(config, "output_hidden_states", False)
@@ -534,7 +542,7 @@ def read_rows_alone(gpt, input_ids, real, eot, output_hidden_states):
     before a left-padded row's first token predicts it, as the end-of-text does."""
     B, T = input_ids.shape
     first = input_ids.gather(1, real.long().argmax(-1, keepdim=True))  # (B, 1): a row's first token
-    read = torch.cat((first != eot, real), 1)  # (B, 1 + T): the columns of [end-of-text, input_ids] a row reads
+    read = torch.cat((first != eot, real), 1)  # (B, 1 + T): which of [end-of-text, input_ids] a row reads
     idx = torch.cat((torch.full_like(first, eot), input_ids), 1)  # (B, 1 + T)
     if bool(real.all()) and bool((read[:, 0] == read[0, 0]).all()):  # no pad, every row alike: a slice
         skip = int(read[0, 0])
@@ -587,12 +595,14 @@ class LRKVForCausalLM(LRKVPreTrainedModel, GenerationMixin):
         return self.model.gpt_model.lm_head
 
     def forward(self, input_ids=None, attention_mask=None, cache=None, past_key_values=None, labels=None,
-                use_cache=None, output_hidden_states=None, return_dict=None, num_items_in_batch=None, **kwargs):
-        """LRKVModel.read's logits (B, T, vocab), cache and hidden states; labels (B, T): the loss of predicting
-        each token from those before it (-100: none; a pad's label should be), as transformers shifts them:
-        their mean, or their sum over num_items_in_batch where a caller gives it (Trainer does not)."""
-        logits, _, hidden, cache = self.model.read(input_ids, attention_mask, cache, past_key_values, use_cache,
-                                                   output_hidden_states, kwargs)
+                use_cache=None, output_hidden_states=None, return_dict=None, num_items_in_batch=None,
+                **kwargs):
+        """LRKVModel.read's logits (B, T, vocab), cache and hidden states; labels (B, T): the loss of
+        predicting each token from those before it (-100: none; a pad's label should be), as transformers
+        shifts them: their mean, or their sum over num_items_in_batch where a caller gives it (Trainer does
+        not)."""
+        logits, _, hidden, cache = self.model.read(input_ids, attention_mask, cache, past_key_values,
+                                                   use_cache, output_hidden_states, kwargs)
         loss = None if labels is None else self.loss_function(logits, labels, self.config.vocab_size,
                                                               num_items_in_batch=num_items_in_batch)
         return as_returned(LRKVCausalLMOutput(loss=loss, logits=logits, cache=cache, past_key_values=cache,

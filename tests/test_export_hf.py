@@ -262,7 +262,8 @@ def test_the_folder_runs_the_repositorys_code(exported):
     assert (exported.out / "LICENSE").read_text() == (REPO / "LICENSE").read_text()
 
 
-# the own fields (beyond every model's shape) of the variants whose cards the issue named, read off their classes
+# the own fields (beyond every model's shape) of the variants whose cards the issue named, read off their
+# classes
 OWN_FIELDS = {"mha": set(), "lrkv": {"lrkv_rank"}, "mla": {"kv_lora_rank", "rope_head_dim"},
               "tpa": {"tpa_q_rank", "tpa_kv_rank"}}
 
@@ -659,9 +660,9 @@ def test_trainer_gives_our_loss_and_gradients(build, attn, checkpointing, tmp_pa
 
 @torch.no_grad()
 def test_resize_token_embeddings_and_what_the_model_refuses(build, tmp_path):
-    """resize_token_embeddings: the vocabulary grows, the old tokens' logits unchanged; config.json's model_args
-    follow, and the folder saved and loaded again gives the same logits. inputs_embeds, output_attentions and
-    any other argument that asks something: one line each."""
+    """resize_token_embeddings: the vocabulary grows, the old tokens' logits unchanged; config.json's
+    model_args follow, and the folder saved and loaded again gives the same logits. inputs_embeds,
+    output_attentions and any other argument that asks something: one line each."""
     lrkv = build("lrkv", 1)
     hf = AutoModelForCausalLM.from_pretrained(lrkv.out, trust_remote_code=True).eval()
     ids = ids_of(lrkv, PROMPTS[0])
@@ -958,18 +959,18 @@ def refused_in_one_line(folder, pattern):
 def test_weights_whose_model_args_record_is_not_json_are_refused_naming_file_and_field(build, tmp_path):
     lrkv = build("lrkv", 2)
     refused_in_one_line(with_metadata(lrkv.out, tmp_path, model_args="{not json"),
-                        r"^model\.safetensors: its metadata model_args is not the JSON object the export writes: "
-                        r"'\{not json'$")
+                        r"^model\.safetensors: its metadata model_args is not the JSON object the export "
+                        r"writes: '\{not json'$")
     shutil.rmtree(tmp_path / "edited")
     refused_in_one_line(with_metadata(lrkv.out, tmp_path, code_sha256="[1, 2]"),
                         r"^model\.safetensors: its metadata code_sha256 is not the JSON object")
 
 
 def test_the_folder_runs_the_code_the_export_wrote_or_names_the_file(build, tmp_path):
-    """An edited copy of a code file (model.py's MLP scaling its output by 1.5) is refused, naming the file; so
-    are config.json and the weights' metadata edited together (another rope_theta in both), and config.json's
-    digests edited to match the edited file, which the weights' metadata records too. Each digest is the
-    file's SHA-256, computed here."""
+    """An edited copy of a code file (model.py's MLP scaling its output by 1.5) is refused, naming the file;
+    so are config.json and the weights' metadata edited together (another rope_theta in both), and
+    config.json's digests edited to match the edited file, which the weights' metadata records too. Each
+    digest is the file's SHA-256, computed here."""
     lrkv = build("lrkv", 2)
     config = json.loads((lrkv.out / "config.json").read_text())
     assert config["code_sha256"] == {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
@@ -980,8 +981,8 @@ def test_the_folder_runs_the_code_the_export_wrote_or_names_the_file(build, tmp_
     scaled = source.replace("return x + self.mlp.W_out(", "return x + 1.5 * self.mlp.W_out(", 1)
     assert scaled != source
     (copy / "model.py").write_text(scaled)
-    refused_in_one_line(copy, r"^model\.py: not the file the export wrote \(its SHA-256 is not config\.json's "
-                              r"code_sha256\): this folder's code was edited$")
+    refused_in_one_line(copy, r"^model\.py: not the file the export wrote \(its SHA-256 is not "
+                              r"config\.json's code_sha256\): this folder's code was edited$")
     config["code_sha256"]["model.py"] = hashlib.sha256(scaled.encode()).hexdigest()
     (copy / "config.json").write_text(json.dumps(config))
     refused_in_one_line(copy, r"^config\.json: code_sha256 where the weights were exported with other code")
@@ -989,7 +990,8 @@ def test_the_folder_runs_the_code_the_export_wrote_or_names_the_file(build, tmp_
     args = {**lrkv.model_args, "rope_theta": 20000.0}
     both = edited(with_metadata(lrkv.out, tmp_path, model_args=json.dumps(args)).rename(tmp_path / "both"),
                   tmp_path, lambda c: c["model_args"].update(rope_theta=20000.0))
-    refused_in_one_line(both, r"^model\.safetensors: its metadata model_args is not the record the export wrote")
+    refused_in_one_line(both, r"^model\.safetensors: its metadata model_args is not the record the export "
+                              r"wrote")
 
 
 def test_a_bad_end_of_text_or_variant_is_refused(build, tmp_path):
@@ -1086,7 +1088,7 @@ def test_a_folder_it_cannot_write_is_one_line(build, tmp_path, capsys):
 
 @pytest.mark.parametrize("record, exports", [
     ({"tokenizer": "byte", "vocab_size": 256, "eot_id": 0}, "silently"),  # the record of today's meta.json
-    ({"tokenizer": "byte"}, "vocab_size=None, eot_id=None"),  # older: the tokenizer's vocabulary and end-of-text
+    ({"tokenizer": "byte"}, "vocab_size=None, eot_id=None"),  # older: its vocabulary and end-of-text
     ({"tokenizer": "byte", "vocab_size": "256", "eot_id": None}, "vocab_size='256', eot_id=None"),
     (None, False), ({"tokenizer": "sentencepiece"}, False), ("byte", False)])
 def test_tokenizer_records_of_another_age(build, tmp_path, capsys, record, exports):
@@ -1108,8 +1110,8 @@ def test_tokenizer_records_of_another_age(build, tmp_path, capsys, record, expor
         if exports == "silently":
             assert err == ""
         else:
-            assert err == (f"export_hf.py: {tmp_path / 'ckpt.pt'}: its tokenizer record has {exports}: exported "
-                           "as the 'byte' tokenizer's, 256 tokens, end-of-text id 0\n")
+            assert err == (f"export_hf.py: {tmp_path / 'ckpt.pt'}: its tokenizer record has {exports}: "
+                           "exported as the 'byte' tokenizer's, 256 tokens, end-of-text id 0\n")
     else:
         assert code == 2 and "tokenizer" in one_line_error(capsys)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
