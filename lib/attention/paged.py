@@ -1,0 +1,176 @@
+"""
+A paged cache (vLLM's PagedAttention, Kwon et al. 2023): the KV cache of many sequences at once, within
+one byte budget, for every variant, layout (layout.py) and storage (quant.py).
+
+The entries live in one pool of blocks of `block_size` slots, which every layer that owns entries draws
+from (a layer that reads another's keys holds none): a block holds block_size consecutive positions of
+one sequence in one layer. A sequence has a block table per owner layer, its blocks in the order of its
+positions, so that its position p in that layer lives in slot p % block_size of block table[p //
+block_size]. Blocks are taken as a sequence grows (grow, which refuses what the pool lacks), all of them
+given back when it ends (release), and in a layer whose readers all have windows (ring.py's span: the
+widest of them) a block goes back as soon as its last position has fallen out of that span.
+
+The pool is a storage of ring.RingKVCache's kind with one row of n_blocks * block_size slots: a slot of
+the pool is slot (block, offset), and the storage's allocate, store and load make, write and read it as
+they would any cache's slots. So paging and storage are two choices: paged_cache_class(storage) is the
+paged cache over any of quant.CACHES (plain, int8), one class made of the two.
+
+A forward runs the sequences select chose, each at its own position (model.py's row_positions): row b's
+T new tokens are its positions lengths[b]..lengths[b] + T - 1, and its queries attend over its own
+positions alone, gathered from its blocks, as ring.visible of each row's positions allows.
+"""
+
+import math
+
+import torch
+
+from lib.attention.quant import Int4KVCache
+from lib.attention.ring import RingKVCache, visible
+
+
+class PagedKVCache(RingKVCache):
+    """A pool of blocks within budget bytes (the module's docstring); sequences are any hashable ids."""
+
+    def __init__(self, model, budget, dtype=None, device=None, block_size=16):
+        self.block_size, self.paged = block_size, False  # paged: the pool made (length's answer)
+        dtype, device = dtype or model.wte.weight.dtype, device or model.rope.device
+        super().__init__(model, 1, model.config.block_size, dtype, device)  # every layer empty, then the pool
+        shapes = {tuple(sorted(self.sources[owner].cache_shapes().items())) for owner in self.sources}
+        if len(shapes) > 1:
+            raise ValueError("a paged cache pools layers that cache entries of the same shapes")
+        shapes = dict(shapes.pop())
+        self.block_bytes = sum(buf.nbytes for buf in self.allocate(shapes, block_size, "meta").values())
+        self.n_blocks = budget // self.block_bytes
+        if self.n_blocks == 0:
+            raise ValueError(f"a KV budget of {budget} bytes holds no block of {block_size} positions "
+                             f"({self.block_bytes} bytes)")
+        self.paged = True
+        pool = self.allocate(shapes, self.n_blocks * block_size, device)
+        for owner in self.sources:
+            self.layers[owner] = pool  # every owner's store and load reach the one pool
+        self.free = list(range(self.n_blocks - 1, -1, -1))  # blocks not held, popped from the end
+        self.tables, self.lengths = {}, {}  # sequence: {owner: [block, or None once freed]}, positions held
+        self.rows = []
+
+    def length(self, layer):  # the pool's slots for every owner; none before the pool is made
+        return self.n_blocks * self.block_size if self.paged and layer in self.sources else 0
+
+    # Sequences and their blocks
+
+    def blocks_needed(self, seq, T):
+        """The blocks seq takes to hold T more positions, in all its owner layers."""
+        last = self.lengths.get(seq, 0) + T - 1  # the last position it will hold
+        held = self.tables.get(seq, {})
+        return sum(last // self.block_size + 1 - len(held.get(owner, [])) for owner in self.sources)
+
+    def grow(self, seq, T):
+        """Take the blocks for seq's next T positions (a new seq starts at 0); False, taking none, where the
+        pool has fewer free."""
+        if self.blocks_needed(seq, T) > len(self.free):
+            return False
+        table = self.tables.setdefault(seq, {owner: [] for owner in self.sources})
+        self.lengths.setdefault(seq, 0)
+        last = self.lengths[seq] + T - 1
+        for blocks in table.values():
+            while len(blocks) <= last // self.block_size:
+                blocks.append(self.free.pop())
+        return True
+
+    def release(self, seq):
+        """seq has ended (or is preempted): all its blocks back to the pool."""
+        for blocks in self.tables.pop(seq, {}).values():
+            self.free.extend(block for block in blocks if block is not None)
+        self.lengths.pop(seq, None)
+
+    def held_bytes(self):
+        """The bytes of the blocks sequences hold now."""
+        return (self.n_blocks - len(self.free)) * self.block_bytes
+
+    def select(self, seqs):
+        """The sequences of the next forward, its rows in this order, each grown for its T new tokens."""
+        self.rows = list(seqs)
+
+    # The forward: each row at its own positions
+
+    def row_positions(self, columns):
+        """Each row's positions from its length on, columns (T,) counted from there: (B, T)."""
+        lengths = torch.tensor([self.lengths[seq] for seq in self.rows], device=columns.device)
+        return lengths[:, None] + columns
+
+    def next_rope(self, T):
+        here = self.row_positions(torch.arange(T))  # (B, T)
+        if int(here.max()) >= self.max_len:
+            raise ValueError(f"a sequence of the paged cache holds {self.max_len} tokens, "
+                             f"{int(here.max()) + 1} were asked for")
+        return self.rope[here.to(self.rope.device)]  # (B, T, rope_dim)
+
+    def slots(self, owner, positions, instead=0):
+        """The pool's slots (B, S) of each row's positions (B, S) in owner's blocks, and which of them are
+        held (a negative position, or one in a block freed out of its window, is not: the slot `instead`
+        (B, 1) in its place)."""
+        bs = self.block_size
+        tables = [self.tables[seq][owner] for seq in self.rows]
+        width = max(len(blocks) for blocks in tables)
+        table = torch.tensor([[-1 if b is None else b for b in blocks] + [-1] * (width - len(blocks))
+                              for blocks in tables])  # (B, blocks): -1 none
+        index = (positions // bs).clamp(0, width - 1)
+        block = table.gather(1, index)
+        held = (block >= 0) & (positions >= 0) & (positions // bs < width)
+        return torch.where(held, block * bs + positions % bs, instead), held
+
+    def attend(self, attn, q, x, rope):
+        """attn's tokens x (B, T, d), each row's next T positions, leave their entries in their rows' blocks
+        (an owner layer); the queries q attend over each row's positions that their window keeps, as
+        visible allows."""
+        layer, owner = attn.layer, self.kv_source[attn.layer]
+        B, T = x.shape[:2]
+        here = self.row_positions(torch.arange(T))  # (B, T)
+        if owner == layer:
+            new, _ = self.slots(owner, here)
+            entries = attn.cache_entries(x, rope)
+            self.store(owner, new.flatten().to(x.device),
+                       {name: e.reshape(1, B * T, *e.shape[2:]) for name, e in entries.items()})
+        window, span = self.windows[layer], self.span[owner]
+        end = int(here.max()) + 1  # from the first position the owner keeps for any row's first query
+        start = 0 if span == self.max_len else max(0, int(here[:, 0].min()) - span + 1)
+        keys = torch.arange(start, end).expand(B, -1)  # (B, S): the positions read
+        keys = torch.where(keys <= here[:, -1:], keys, -1)  # -1 past a row's end: nothing there
+        # where a row holds no position, its newest entry, masked: a key RMS of 0 would make keys of 0 / 0
+        slots, held = self.slots(owner, keys, self.slots(owner, here[:, -1:])[0])
+        entries = {name: e.view(B, -1, *e.shape[2:])
+                   for name, e in self.load(owner, slots.flatten().to(x.device)).items()}
+        k_pos = torch.where(held, keys, -1).to(q.device)
+        mask = visible(here.to(q.device), k_pos, window).unsqueeze(1)  # (B, 1, T, S)
+        prompt = B == 1 and end == T and window is None  # a whole prompt at once: Attention.attend's causal
+        k, v = self.sources[owner].cached_keys_values(self.rope[start:end], **entries)
+        return attn.attend(q, k, v, None if prompt else mask)
+
+    def advance(self, T):
+        """The rows have moved on by T: a windowed owner gives back each block whose last position has
+        fallen out of its span (the next query, at position n, sees none at or before n - span)."""
+        for seq in self.rows:
+            self.lengths[seq] += T
+            for owner, blocks in self.tables[seq].items():
+                dead = (self.lengths[seq] - self.span[owner] + 1) // self.block_size  # blocks wholly before
+                for i in range(min(dead, len(blocks))):
+                    if blocks[i] is not None:
+                        self.free.append(blocks[i])
+                        blocks[i] = None
+
+
+def paged_cache_class(storage=RingKVCache):
+    """The paged cache over storage (a class of quant.CACHES, or any RingKVCache storage): one class of the
+    two, paging's methods before the storage's allocate, store and load."""
+    if storage is RingKVCache:
+        return PagedKVCache
+    if issubclass(storage, Int4KVCache):  # its key groups fill one slot range at a time
+        raise ValueError(f"{storage.__name__} quantises key groups of consecutive slots as one sequence fills "
+                         "them, which a pool shared by sequences does not give it: page plain or int8 storage")
+    return type(f"Paged{storage.__name__}", (PagedKVCache, storage), {})
+
+
+def blocks_for(cache, n, chunk):
+    """The most blocks one sequence of n positions holds at once, prefilled chunk positions at a time: in a
+    layer of span W, at most the blocks of its W + chunk latest positions."""
+    bs, full = cache.block_size, math.ceil(n / cache.block_size)
+    return sum(min(full, (cache.span[owner] + chunk) // bs + 2) for owner in cache.sources)
