@@ -76,14 +76,19 @@ class Engine:
                                  f"{len(prompt)} tokens and {max_new_tokens} new ones needs")
 
     @torch.no_grad()
-    def generate(self, prompts, max_new_tokens, temperature=0, top_k=None):
-        """Each prompt's max_new_tokens new tokens, sampled as model.sample samples (temperature 0: greedy)."""
+    def generate(self, prompts, max_new_tokens, temperature=0, top_k=None, vocab_size=None):
+        """Each prompt's max_new_tokens new tokens, sampled as model.sample samples (temperature 0: greedy;
+        vocab_size: only ids below it, as decode.stream)."""
         prompts = [list(map(int, prompt)) for prompt in prompts]
         self.check(prompts, max_new_tokens)
         waiting = deque(Request(i, prompt, max_new_tokens) for i, prompt in enumerate(prompts))
         running, done = [], {}  # running: oldest first
         stats = self.stats = dict(peak_in_flight=0, preemptions=0, forwards=0, new_tokens=0)
         begin = time.perf_counter()
+
+        def draw(logits):  # (B, vocab) -> (B,) the next tokens
+            return sample(logits[:, :vocab_size], temperature, top_k)[:, 0]
+
         while waiting or running:
             self.admit(waiting, running)
             budget = self.chunk
@@ -93,13 +98,13 @@ class Engine:
                 n = min(budget, len(request.context()) - request.cached)
                 if request in running and self.make_room(request, n, waiting, running):  # not preempted
                     budget -= n
-                    self.forward([request], request.context()[request.cached:request.cached + n], temperature,
-                                 top_k, last=request.cached + n == len(request.context()))
+                    self.forward([request], request.context()[request.cached:request.cached + n], draw,
+                             last=request.cached + n == len(request.context()))
             ready = [r for r in running if r.out and r.cached == len(r.context()) - 1 and len(r.out) < r.max_new_tokens]
             decoding = [r for r in ready if r in running and self.make_room(r, 1, waiting, running)]
             if decoding:
                 stats["peak_in_flight"] = max(stats["peak_in_flight"], len(running))
-                self.forward(decoding, [r.out[-1] for r in decoding], temperature, top_k, last=True)
+                self.forward(decoding, [r.out[-1] for r in decoding], draw, last=True)
             for request in [r for r in running if len(r.out) == r.max_new_tokens]:
                 running.remove(request)
                 self.cache.release(request.id)
@@ -129,7 +134,7 @@ class Engine:
                 return False
         return True
 
-    def forward(self, requests, tokens, temperature, top_k, last):
+    def forward(self, requests, tokens, draw, last):
         """One forward of requests' rows: a chunk of one request's context (tokens, a list), or one token each
         (tokens, one a request); where last, each request draws its next token from the last logits."""
         T = len(tokens) // len(requests)
@@ -140,5 +145,5 @@ class Engine:
         for request in requests:
             request.cached += T
         if last:
-            for request, token in zip(requests, sample(logits, temperature, top_k)[:, 0].tolist()):
+            for request, token in zip(requests, draw(logits).tolist()):
                 request.out.append(token)
