@@ -39,6 +39,7 @@ class Request:
     max_new_tokens: int
     out: list = field(default_factory=list)  # its new tokens so far
     cached: int = 0  # the tokens of its context in the cache
+    first: float = 0.0  # when it drew its first new token (time.perf_counter)
 
     def context(self):  # what a prefill puts in the cache: the prompt and the tokens drawn so far
         return self.prompt + self.out
@@ -59,16 +60,17 @@ class Engine:
     def check(self, prompts, max_new_tokens):
         """A ValueError of one line for the first request that cannot be served."""
         L = self.model.config.block_size
-        if type(max_new_tokens) is not int or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens!r}: must be a positive integer")
-        for i, prompt in enumerate(prompts):
+        for i, (prompt, max_new_tokens) in enumerate(zip(prompts, max_new_tokens)):
+            if type(max_new_tokens) is not int or max_new_tokens < 1:
+                raise ValueError(f"max_new_tokens={max_new_tokens!r}: must be a positive integer")
             if len(prompt) == 0:
                 raise ValueError(f"prompt {i} is empty: a request needs at least one token")
             if len(prompt) > L:
-                raise ValueError(f"prompt {i} has {len(prompt)} tokens, longer than the context, block_size = {L}")
+                raise ValueError(f"prompt {i} has {len(prompt)} tokens, longer than the context, "
+                                 f"block_size = {L}")
             if len(prompt) + max_new_tokens > L:
-                raise ValueError(f"prompt {i} of {len(prompt)} tokens and max_new_tokens={max_new_tokens} pass "
-                                 f"the context, block_size = {L}")
+                raise ValueError(f"prompt {i} of {len(prompt)} tokens and max_new_tokens={max_new_tokens} "
+                                 f"pass the context, block_size = {L}")
             need = blocks_for(self.cache, len(prompt) + max_new_tokens, self.chunk)
             if need > self.cache.n_blocks:
                 raise ValueError(f"a KV budget of {self.cache.n_blocks * self.cache.block_bytes} bytes holds "
@@ -77,12 +79,14 @@ class Engine:
 
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens, temperature=0, top_k=None, vocab_size=None):
-        """Each prompt's max_new_tokens new tokens, sampled as model.sample samples (temperature 0: greedy;
-        vocab_size: only ids below it, as decode.stream)."""
+        """Each prompt's max_new_tokens new tokens (one number for all, or a list, one a prompt), sampled as
+        model.sample samples (temperature 0: greedy; vocab_size: only ids below it, as decode.stream)."""
         prompts = [list(map(int, prompt)) for prompt in prompts]
+        if not isinstance(max_new_tokens, (list, tuple)):
+            max_new_tokens = [max_new_tokens] * len(prompts)
         self.check(prompts, max_new_tokens)
-        waiting = deque(Request(i, prompt, max_new_tokens) for i, prompt in enumerate(prompts))
-        running, done = [], {}  # running: oldest first
+        waiting = deque(Request(i, *request) for i, request in enumerate(zip(prompts, max_new_tokens)))
+        running, done, per_token = [], {}, []  # running: oldest first; per_token: each request's seconds
         stats = self.stats = dict(peak_in_flight=0, preemptions=0, forwards=0, new_tokens=0)
         begin = time.perf_counter()
 
@@ -99,8 +103,9 @@ class Engine:
                 if request in running and self.make_room(request, n, waiting, running):  # not preempted
                     budget -= n
                     self.forward([request], request.context()[request.cached:request.cached + n], draw,
-                             last=request.cached + n == len(request.context()))
-            ready = [r for r in running if r.out and r.cached == len(r.context()) - 1 and len(r.out) < r.max_new_tokens]
+                                 last=request.cached + n == len(request.context()))
+            ready = [r for r in running if r.out and r.cached == len(r.context()) - 1
+                     and len(r.out) < r.max_new_tokens]
             decoding = [r for r in ready if r in running and self.make_room(r, 1, waiting, running)]
             if decoding:
                 stats["peak_in_flight"] = max(stats["peak_in_flight"], len(running))
@@ -109,15 +114,19 @@ class Engine:
                 running.remove(request)
                 self.cache.release(request.id)
                 done[request.id] = request.out
+                per_token.append((time.perf_counter() - request.first) / max(1, request.max_new_tokens - 1))
         stats["seconds"] = time.perf_counter() - begin
         stats["new_tokens"] = sum(map(len, done.values()))
+        # a request's time per new token after its first, the mean over requests
+        stats["mean_s_per_token"] = sum(per_token) / len(per_token)
         return [done[i] for i in range(len(prompts))]
 
     def admit(self, waiting, running):
         """Waiting requests join, first in line first, while the pool holds their whole context's blocks."""
         while waiting and (self.max_batch is None or len(running) < self.max_batch):
             request = waiting[0]  # alone, any request fits (check)
-            if running and self.cache.blocks_needed(request.id, len(request.context())) > len(self.cache.free):
+            needed = self.cache.blocks_needed(request.id, len(request.context()))
+            if running and needed > len(self.cache.free):
                 break
             running.append(waiting.popleft())
 
@@ -147,3 +156,4 @@ class Engine:
         if last:
             for request, token in zip(requests, draw(logits).tolist()):
                 request.out.append(token)
+                request.first = request.first or time.perf_counter()
