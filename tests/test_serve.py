@@ -8,7 +8,7 @@ import torch
 
 from lib.attention.engine import Engine
 from lib.attention.layout import kv_cache_elements_per_token
-from lib.attention.paged import PagedKVCache
+from lib.attention.paged import PagedKVCache, blocks_for
 from lib.attention.quant import Int4KVCache, Int8KVCache
 from lib.attention.ring import RingKVCache
 from model import VARIANTS
@@ -67,9 +67,9 @@ LENGTHS = [5, 23, 1, 40, 9]  # prompts of different lengths, two of them longer 
 NEW = 6
 
 
-def serve(model, budget, storage=RingKVCache, **knobs):
-    engine = Engine(model, budget, storage, torch.float32, block_size=4, chunk=16, **knobs)
-    return engine.generate(prompts(LENGTHS), NEW), engine
+def serve(model, budget, storage=RingKVCache, new=NEW):
+    engine = Engine(model, budget, storage, torch.float32, block_size=4, chunk=16)
+    return engine.generate(prompts(LENGTHS), new), engine
 
 
 @pytest.mark.parametrize("storage", [RingKVCache, Int8KVCache], ids=["plain", "int8"])
@@ -89,13 +89,14 @@ def test_every_request_decodes_as_its_prompt_alone(attn, storage):
 
 @pytest.mark.parametrize("attn", ["mha", "lrkv", "mla"])
 def test_a_full_pool_preempts_and_recomputes_to_the_same_tokens(attn):
-    """A budget of 48 positions in every layer that caches, a little more than the longest request needs:
-    requests wait and are preempted (their blocks freed, their context recomputed later), and still every
-    request's tokens are its prompt's alone."""
+    """A budget of the blocks that the longest request (40 + 16 tokens) needs, no more: requests wait and are
+    preempted (their blocks freed, their context recomputed later), and still every request's tokens are
+    its prompt's alone."""
     for layout, knobs in LAYOUTS.items():
         model = tiny_model(attn, n_layer=2, block_size=64, **knobs)
-        got, engine = serve(model, 48 * kv_cache_elements_per_token(model) * 4)  # fp32
-        assert got == [alone(model, prompt, NEW) for prompt in prompts(LENGTHS)], layout
+        probe = PagedKVCache(model, 10**6, torch.float32, block_size=4)
+        got, engine = serve(model, blocks_for(probe, 40 + 16, 16) * probe.block_bytes, new=16)
+        assert got == [alone(model, prompt, 16) for prompt in prompts(LENGTHS)], layout
         assert engine.stats["preemptions"] > 0, layout
 
 

@@ -655,9 +655,10 @@ def main(argv=None):
         save(result, args.out)
     if args.only in (None, "serve"):
         log("serving, every variant in turn")
-        models = {attn: inference_model(GPTConfig(attn=attn, **preset["model"]), device, decode_dtype)
+        models = {attn: inference_model(GPTConfig(attn=attn, **preset["model"]), device, serve.DTYPE)
                   for attn in result["variants"]}
-        result["serve"] = serve.bench_serve(models, serve.WORKLOADS[args.preset], device, log)
+        result["serve"] = serve.bench_serve(models, serve.WORKLOADS[args.preset], device, log,
+                                            lambda: clock(device))
         save(result, args.out)
     print(markdown(result))
     log(f"wrote {args.out}; {time.perf_counter() - T0:.0f} s in all")

@@ -10,9 +10,10 @@ cache storage, and the same requests through batch-1 generate as the baseline. t
 A row: the most sequences in flight at once, new tokens a second (the workload's, wall time), the mean
 time per new token of a request after its first, the preemptions, and the cache's bytes a token (all
 layers, scales included, before windows). The budget is MHA's cache in bf16 for `budget_sequences`
-requests of the workload's mean length; every cache stores bf16 (int8: its scales), whatever the
-weights compute in. The prompts are seeded random tokens (the bench has no data): a step's cost does
-not depend on which tokens it reads.
+requests of the workload's mean length. Weights and caches are bf16 (int8: its scales), as a server
+holds them, for the baseline too, which runs for BATCH1's variants alone (the time of all nine would
+not fit bench.py --preset=cpu's). The prompts are seeded random tokens (the bench has no data): a
+step's cost does not depend on which tokens it reads.
 """
 
 import json
@@ -32,39 +33,40 @@ from lib.attention.quant import cache_class
 # to fit bench.py --preset=cpu in 240 s on 2 cores (docs/decoding.md)
 WORKLOADS = {
     "128m": dict(requests=64, prompt=(16, 1024), output=(64, 256), budget_sequences=16),
-    "cpu": dict(requests=24, prompt=(16, 256), output=(16, 64), budget_sequences=4),
+    "cpu": dict(requests=48, prompt=(16, 64), output=(32, 96), budget_sequences=6),
     "tiny": dict(requests=4, prompt=(4, 16), output=(2, 6), budget_sequences=2),
 }
 STORAGES = ("none", "int8")  # int4's key groups do not page yet (paged.paged_cache_class)
-CACHE_DTYPE = torch.bfloat16
+DTYPE = torch.bfloat16  # the weights' and the caches'
+BATCH1 = ("mha", "lrkv")  # the variants whose requests also go through batch-1 generate
 
 
 def workload(spec, vocab_size, seed=0):
     """(prompts, outputs): the seeded requests, each prompt a list of random token ids."""
     g = torch.Generator().manual_seed(seed)
-    draw = lambda low, high: torch.randint(low, high + 1, (spec["requests"],), generator=g).tolist()  # noqa: E731
-    lengths, outputs = draw(*spec["prompt"]), draw(*spec["output"])
+    lengths, outputs = (torch.randint(low, high + 1, (spec["requests"],), generator=g).tolist()
+                        for low, high in (spec["prompt"], spec["output"]))
     return [torch.randint(vocab_size, (n,), generator=g).tolist() for n in lengths], outputs
 
 
 def budget_bytes(mha, spec):
     """MHA's cache in bf16 for budget_sequences requests of the workload's mean length."""
     mean = (sum(spec["prompt"]) + sum(spec["output"])) / 2
-    per_token = kv_cache_elements_per_token(mha) * CACHE_DTYPE.itemsize
+    per_token = kv_cache_elements_per_token(mha) * DTYPE.itemsize
     return int(spec["budget_sequences"] * mean * per_token)
 
 
 @torch.inference_mode()
-def bench_serve(models, spec, device, log):
-    """{variant: {"serve": rows, "batch1": row}}: models {variant: model}, each decoding in its own dtype,
-    the first MHA (the budget's)."""
+def bench_serve(models, spec, device, log, clock=time.perf_counter):
+    """{variant: {"serve": rows, "batch1": row or None}}: models {variant: model} in DTYPE, the first MHA
+    (the budget's); clock: seconds (tools/bench.py's: CPU time at one thread)."""
     prompts, outputs = workload(spec, next(iter(models.values())).config.vocab_size)
     budget = budget_bytes(next(iter(models.values())), spec)
     result = {}
     for attn, model in models.items():
         rows = []
         for storage in STORAGES:
-            engine = Engine(model, budget, cache_class(storage), CACHE_DTYPE)
+            engine = Engine(model, budget, cache_class(storage), DTYPE, clock=clock)
             engine.generate(prompts, outputs)
             s, cache = engine.stats, engine.cache
             rows.append(dict(kv_quant=storage, budget_bytes=budget, peak_in_flight=s["peak_in_flight"],
@@ -73,17 +75,24 @@ def bench_serve(models, spec, device, log):
                              bytes_per_token=cache.block_bytes * len(cache.sources) / cache.block_size))
             log(f"{attn}, {storage}: {rows[-1]['tokens_per_s']:,.0f} tokens/s, at most "
                 f"{s['peak_in_flight']} in flight, {s['preemptions']} preempted")
-        t0 = time.perf_counter()
-        for prompt, n in zip(prompts, outputs):
-            generate(model, torch.tensor([prompt], device=device), n, temperature=0, cache_dtype=CACHE_DTYPE)
-        seconds = time.perf_counter() - t0
-        batch1 = dict(tokens_per_s=sum(outputs) / seconds, seconds=seconds,
-                      mean_ms_per_token=1000 * seconds / sum(outputs))
-        log(f"{attn}, batch-1 generate: {batch1['tokens_per_s']:,.0f} tokens/s")
+        batch1 = batch_1(model, prompts, outputs, device, clock) if attn in BATCH1 else None
         result[attn] = dict(serve=rows, batch1=batch1)
+        if result[attn]["batch1"]:
+            log(f"{attn}, batch-1 generate: {result[attn]['batch1']['tokens_per_s']:,.0f} tokens/s")
     return dict(workload=dict(spec, new_tokens=sum(outputs), prompt_tokens=sum(map(len, prompts)),
-                              budget_bytes=budget, cache_dtype=str(CACHE_DTYPE).removeprefix("torch.")),
+                              budget_bytes=budget, dtype=str(DTYPE).removeprefix("torch.")),
                 variants=result)
+
+
+def batch_1(model, prompts, outputs, device, clock):
+    """The requests one after another through decode.generate (a cache of its own each, the plain cached
+    path, as the engine's)."""
+    t0 = clock()
+    for prompt, n in zip(prompts, outputs):
+        generate(model, torch.tensor([prompt], device=device), n, temperature=0, cache_dtype=DTYPE)
+    seconds = clock() - t0
+    return dict(tokens_per_s=sum(outputs) / seconds, seconds=seconds,
+                mean_ms_per_token=1000 * seconds / sum(outputs))
 
 
 def markdown(serve):
@@ -92,19 +101,21 @@ def markdown(serve):
     lines = [f"Serving: {w['requests']} requests (prompts {w['prompt'][0]}-{w['prompt'][1]} tokens, "
              f"{w['prompt_tokens']:,} in all; outputs {w['output'][0]}-{w['output'][1]}, {w['new_tokens']:,} "
              f"in all), one KV budget of {w['budget_bytes'] / 2**20:.2f} MiB ({w['budget_sequences']} MHA "
-             f"sequences of the mean length, {w['cache_dtype']}); x MHA: against MHA's {w['cache_dtype']} cache",
+             f"sequences of the mean length, {w['dtype']}); x MHA: against MHA's {w['dtype']} cache",
              "", "| variant | cache | bytes/token | peak in flight | x MHA | tokens/s | x MHA | x batch-1 | "
                  "ms/token | preempted | batch-1 tokens/s |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     base = mha["serve"][0]
     for attn, v in variants.items():
+        batch1 = v["batch1"]["tokens_per_s"] if v["batch1"] else None
         for r in v["serve"]:
-            storage = w["cache_dtype"] if r["kv_quant"] == "none" else r["kv_quant"]
+            storage = w["dtype"] if r["kv_quant"] == "none" else r["kv_quant"]
             lines.append(f"| {attn} | {storage} | {r['bytes_per_token']:,.0f} | {r['peak_in_flight']} | "
                          f"{r['peak_in_flight'] / base['peak_in_flight']:.2f} | {r['tokens_per_s']:,.0f} | "
                          f"{r['tokens_per_s'] / base['tokens_per_s']:.2f} | "
-                         f"{r['tokens_per_s'] / v['batch1']['tokens_per_s']:.1f} | {r['mean_ms_per_token']:.1f} | "
-                         f"{r['preemptions']} | {v['batch1']['tokens_per_s']:,.0f} |")
+                         + (f"{r['tokens_per_s'] / batch1:.1f} | " if batch1 else "- | ")
+                         + f"{r['mean_ms_per_token']:.1f} | {r['preemptions']} | "
+                         + (f"{batch1:,.0f} |" if batch1 else "- |"))
     return "\n".join(lines)
 
 
@@ -113,8 +124,9 @@ def plot(serve, path):
     fig = Figure(figsize=(7, 4.5))
     ax = fig.subplots()
     for storage, marker in zip(("none", "int8"), ("o", "s")):
-        points = [(attn, r) for attn, v in serve["variants"].items() for r in v["serve"] if r["kv_quant"] == storage]
-        label = serve["workload"]["cache_dtype"] if storage == "none" else storage
+        points = [(attn, r) for attn, v in serve["variants"].items() for r in v["serve"]
+                  if r["kv_quant"] == storage]
+        label = serve["workload"]["dtype"] if storage == "none" else storage
         ax.scatter([r["bytes_per_token"] for _, r in points], [r["tokens_per_s"] for _, r in points],
                    marker=marker, label=label)
         for attn, r in points:

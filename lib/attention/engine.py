@@ -39,21 +39,28 @@ class Request:
     max_new_tokens: int
     out: list = field(default_factory=list)  # its new tokens so far
     cached: int = 0  # the tokens of its context in the cache
-    first: float = 0.0  # when it drew its first new token (time.perf_counter)
+    first: float = 0.0  # when it drew its first new token (Engine.clock)
 
     def context(self):  # what a prefill puts in the cache: the prompt and the tokens drawn so far
         return self.prompt + self.out
+
+    def to_prefill(self):
+        """The context's tokens a prefill has still to put in the cache: none once it decodes (all in but the
+        token it drew last, which the next decode step feeds)."""
+        left = len(self.context()) - self.cached
+        return 0 if self.out and left == 1 else left
 
 
 class Engine:
     """Continuous batching over a paged cache of kv_budget_bytes (the module's docstring). storage: a
     cache class of quant.CACHES (plain, int8), paged; dtype: the cache's (the weights' by default);
     chunk: the prefill tokens a step; max_batch: the most requests running at once (None: as many as
-    fit). stats, after generate: peak_in_flight, preemptions, forwards, seconds, new_tokens."""
+    fit); clock: seconds (tools/bench.py's: CPU time at one thread). stats, after generate:
+    peak_in_flight, preemptions, forwards, seconds, new_tokens, mean_s_per_token."""
 
     def __init__(self, model, kv_budget_bytes, storage=RingKVCache, dtype=None, block_size=16, chunk=256,
-                 max_batch=None):
-        self.model, self.chunk, self.max_batch = model, chunk, max_batch
+                 max_batch=None, clock=time.perf_counter):
+        self.model, self.chunk, self.max_batch, self.clock = model, chunk, max_batch, clock
         self.cache = paged_cache_class(storage)(model, kv_budget_bytes, dtype, block_size=block_size)
         self.stats = {}
 
@@ -88,7 +95,7 @@ class Engine:
         waiting = deque(Request(i, *request) for i, request in enumerate(zip(prompts, max_new_tokens)))
         running, done, per_token = [], {}, []  # running: oldest first; per_token: each request's seconds
         stats = self.stats = dict(peak_in_flight=0, preemptions=0, forwards=0, new_tokens=0)
-        begin = time.perf_counter()
+        begin = self.clock()
 
         def draw(logits):  # (B, vocab) -> (B,) the next tokens
             return sample(logits[:, :vocab_size], temperature, top_k)[:, 0]
@@ -96,16 +103,15 @@ class Engine:
         while waiting or running:
             self.admit(waiting, running)
             budget = self.chunk
-            for request in [r for r in running if r.cached < len(r.context())]:
+            for request in [r for r in running if r.to_prefill()]:
                 if budget == 0:
                     break
-                n = min(budget, len(request.context()) - request.cached)
+                n = min(budget, request.to_prefill())
                 if request in running and self.make_room(request, n, waiting, running):  # not preempted
                     budget -= n
                     self.forward([request], request.context()[request.cached:request.cached + n], draw,
                                  last=request.cached + n == len(request.context()))
-            ready = [r for r in running if r.out and r.cached == len(r.context()) - 1
-                     and len(r.out) < r.max_new_tokens]
+            ready = [r for r in running if r.out and not r.to_prefill() and len(r.out) < r.max_new_tokens]
             decoding = [r for r in ready if r in running and self.make_room(r, 1, waiting, running)]
             if decoding:
                 stats["peak_in_flight"] = max(stats["peak_in_flight"], len(running))
@@ -114,20 +120,23 @@ class Engine:
                 running.remove(request)
                 self.cache.release(request.id)
                 done[request.id] = request.out
-                per_token.append((time.perf_counter() - request.first) / max(1, request.max_new_tokens - 1))
-        stats["seconds"] = time.perf_counter() - begin
+                per_token.append((self.clock() - request.first) / max(1, request.max_new_tokens - 1))
+        stats["seconds"] = self.clock() - begin
         stats["new_tokens"] = sum(map(len, done.values()))
         # a request's time per new token after its first, the mean over requests
         stats["mean_s_per_token"] = sum(per_token) / len(per_token)
         return [done[i] for i in range(len(prompts))]
 
     def admit(self, waiting, running):
-        """Waiting requests join, first in line first, while the pool holds their whole context's blocks."""
+        """Waiting requests join, first in line first, while the pool holds their whole context's blocks
+        beside those that the joined requests' contexts still need (their prefills to come)."""
+        promised = sum(self.cache.blocks_needed(r.id, r.to_prefill()) for r in running if r.to_prefill())
         while waiting and (self.max_batch is None or len(running) < self.max_batch):
             request = waiting[0]  # alone, any request fits (check)
             needed = self.cache.blocks_needed(request.id, len(request.context()))
-            if running and needed > len(self.cache.free):
+            if running and promised + needed + len(running) > len(self.cache.free):
                 break
+            promised += needed
             running.append(waiting.popleft())
 
     def make_room(self, request, T, waiting, running):
@@ -156,4 +165,4 @@ class Engine:
         if last:
             for request, token in zip(requests, draw(logits).tolist()):
                 request.out.append(token)
-                request.first = request.first or time.perf_counter()
+                request.first = request.first or self.clock()
