@@ -38,7 +38,7 @@ WORKLOADS = {
 }
 STORAGES = ("none", "int8")  # int4's key groups do not page yet (paged.paged_cache_class)
 DTYPE = torch.bfloat16  # the weights' and the caches'
-BATCH1 = ("mha", "lrkv")  # the variants whose requests also go through batch-1 generate
+BATCH1 = ("mha",)  # the variants whose requests also go through batch-1 generate
 
 
 def workload(spec, vocab_size, seed=0):
