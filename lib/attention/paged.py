@@ -87,7 +87,8 @@ class PagedKVCache(RingKVCache):
         return (self.n_blocks - len(self.free)) * self.block_bytes
 
     def select(self, seqs):
-        """The sequences of the next forward, its rows in this order, each grown for its T new tokens."""
+        """The sequences of the next forward, its rows in this order, each grown (grow) for its T new tokens
+        beforehand."""
         self.rows = list(seqs)
 
     # The forward: each row at its own positions
@@ -131,7 +132,8 @@ class PagedKVCache(RingKVCache):
             self.store(owner, new.flatten().to(x.device),
                        {name: e.reshape(1, B * T, *e.shape[2:]) for name, e in entries.items()})
         window, span = self.windows[layer], self.span[owner]
-        end = int(here.max()) + 1  # from the first position the owner keeps for any row's first query
+        end = int(here.max()) + 1
+        # from the first position that any row's first query may see in the owner's span
         start = 0 if span == self.max_len else max(0, int(here[:, 0].min()) - span + 1)
         keys = torch.arange(start, end).expand(B, -1)  # (B, S): the positions read
         keys = torch.where(keys <= here[:, -1:], keys, -1)  # -1 past a row's end: nothing there
@@ -164,8 +166,8 @@ def paged_cache_class(storage=RingKVCache):
     if storage is RingKVCache:
         return PagedKVCache
     if issubclass(storage, Int4KVCache):  # its key groups fill one slot range at a time
-        raise ValueError(f"{storage.__name__} quantises key groups of consecutive slots as one sequence fills "
-                         "them, which a pool shared by sequences does not give it: page plain or int8 storage")
+        raise ValueError(f"{storage.__name__} quantises key groups of consecutive slots as one sequence "
+                         "fills them, which a pool shared by sequences does not give it: page plain or int8")
     return type(f"Paged{storage.__name__}", (PagedKVCache, storage), {})
 
 
