@@ -8,7 +8,8 @@ takes prompts of different lengths (lists of token ids) and gives back each one'
 of token lists in the prompts' order. A request waits, then runs, then leaves. Each step:
 
   1. admit: waiting requests join, first come first, while the pool has the blocks of their whole
-     context free (and the batch has room: max_batch);
+     context free, beside those that joined requests' prefills still need and one for each running
+     request, which its next tokens will soon need (and while the batch has room: max_batch);
   2. prefill: joined requests' contexts go into the cache, at most `chunk` tokens a step in all, so
      that a long prompt takes several steps (its chunks) and running requests keep decoding between
      them; a context's last chunk gives its first new token;
