@@ -209,7 +209,6 @@ def bad_inputs(ckpt, tmp_path):
         ([ckpt, f"--prompts={two_prompts(tmp_path)}", "--kv_budget=nan"], "must be a finite number of MiB > 0"),
         ([ckpt, f"--prompts={two_prompts(tmp_path)}", "--kv_budget=0.0001"], "holds no block of 16 positions"),
         ([ckpt, f"--prompts={two_prompts(tmp_path)}", "--max_new_tokens=100000"], "pass the context"),
-        ([ckpt, f"--prompts={two_prompts(tmp_path)}", "--kv_quant=int4"], "Int4KVCache quantises key groups"),
     ]
 
 

@@ -51,10 +51,10 @@ def test_rows_at_different_positions_decode_as_each_row_alone(attn):
                                            atol=1e-5, rtol=1e-5, msg=f"{layout} row {b}")
 
 
-def alone(model, prompt, n, cache_class=RingKVCache):
+def alone(model, prompt, n, cache_class=RingKVCache, length=None):
     """prompt's n greedy tokens decoded alone: a prefill, then a token a forward, through a cache of
-    cache_class in fp32."""
-    cache = model.new_cache(1, len(prompt) + n, torch.float32, cache_class=cache_class)
+    cache_class in fp32, of length positions (default: the prompt's and n)."""
+    cache = model.new_cache(1, length or len(prompt) + n, torch.float32, cache_class=cache_class)
     idx, out = torch.tensor([prompt]), []
     with torch.no_grad():
         for _ in range(n):
@@ -85,6 +85,25 @@ def test_every_request_decodes_as_its_prompt_alone(attn, storage):
         expected = [alone(model, prompt, NEW, storage) for prompt in prompts(LENGTHS)]
         assert got == expected, layout
         assert engine.stats["peak_in_flight"] > 1 and engine.cache.held_bytes() == 0, layout
+
+
+class Int4Groups4(Int4KVCache):
+    group = 4  # key groups, and so blocks, of 4 positions, which the tests' prompts fill
+
+
+@pytest.mark.parametrize("attn", VARIANTS)
+def test_int4_pages_its_key_groups_as_blocks(attn):
+    """int4's keys quantised per channel over groups of 4 positions: the engine's blocks are the groups,
+    each stored whole once full, the newest in the sequence's full-precision tail until then. Every
+    request's greedy tokens are those of its prompt alone through an int4 cache of 64 positions (a
+    multiple of the group, so that no group ends early at the cache's last slot), with and without
+    shared keys. (A windowed ring's int4 groups run over its slots, the pages' over positions: they
+    differ, and are not compared.)"""
+    for layout, knobs in list(LAYOUTS.items())[:2]:
+        model = tiny_model(attn, n_layer=2, block_size=64, **knobs)
+        got, engine = serve(model, model.kv_cache_bytes(len(LENGTHS), 64, torch.float32), Int4Groups4)
+        assert engine.cache.block_size == 4 and engine.cache.held_bytes() == 0, layout
+        assert got == [alone(model, prompt, NEW, Int4Groups4, 64) for prompt in prompts(LENGTHS)], layout
 
 
 @pytest.mark.parametrize("attn", ["mha", "lrkv", "mla"])
@@ -125,15 +144,14 @@ def test_bad_input_is_one_line():
     engine = Engine(model, 10**5, dtype=torch.float32, block_size=4)
     for prompts_, new, said in (([[1, 2], []], 4, "prompt 1 is empty"),
                                 ([[1] * 65], 4, "prompt 0 has 65 tokens, longer than the context"),
-                                ([[1] * 60], 5, "prompt 0 of 60 tokens and max_new_tokens=5 pass the context"),
+                                ([[1] * 60], 5, "prompt 0 of 60 tokens and max_new_tokens=5 pass the"),
                                 ([[1]], 0, "max_new_tokens=0: must be a positive integer")):
         with pytest.raises(ValueError, match=said) as error:
             engine.generate(prompts_, new)
         assert "\n" not in str(error.value)
-    small = Engine(model, 4 * kv_cache_elements_per_token(model) * 4, dtype=torch.float32, block_size=4)  # 2 blocks
+    two_blocks = 4 * kv_cache_elements_per_token(model) * 4  # fp32
+    small = Engine(model, two_blocks, dtype=torch.float32, block_size=4)
     with pytest.raises(ValueError, match="holds 2 blocks, fewer than the 4 that prompt 0 of 5 tokens"):
         small.generate([[1] * 5], 3)
     with pytest.raises(ValueError, match="holds no block of 4 positions"):
         Engine(model, 100, dtype=torch.float32, block_size=4)
-    with pytest.raises(ValueError, match="Int4KVCache quantises key groups"):
-        Engine(model, 10**5, Int4KVCache)

@@ -32,8 +32,8 @@ mask), as one CUDA graph on a GPU; the seconds its compiling takes are reported 
     python -m tools.bench --preset=128m --device=cuda --check --out=bench_gpu.json
 
 Serving (tools/serve.py): one seeded workload of requests at one KV budget through continuous
-batching over a paged cache, every variant with each cache storage (bf16, int8), against the same
-requests through batch-1 generate: sequences in flight, tokens/s, ms per token, preemptions.
+batching over a paged cache, every variant with each cache storage (bf16, int8, int4), against the
+same requests through batch-1 generate: sequences in flight, tokens/s, ms per token, preemptions.
 
     python -m tools.bench --preset=cpu --only=serve
 

@@ -10,7 +10,7 @@ cache storage, and the same requests through batch-1 generate as the baseline. t
 A row: the most sequences in flight at once, new tokens a second (the workload's, wall time), the mean
 time per new token of a request after its first, the preemptions, and the cache's bytes a token (all
 layers, scales included, before windows). The budget is MHA's cache in bf16 for `budget_sequences`
-requests of the workload's mean length. Weights and caches are bf16 (int8: its scales), as a server
+requests of the workload's mean length. Weights and caches are bf16 (int8, int4: their scales), as a server
 holds them, for the baseline too, which runs for BATCH1's variants alone (the time of all nine would
 not fit bench.py --preset=cpu's). The prompts are seeded random tokens (the bench has no data): a
 step's cost does not depend on which tokens it reads.
@@ -36,7 +36,7 @@ WORKLOADS = {
     "cpu": dict(requests=48, prompt=(16, 64), output=(32, 96), budget_sequences=6),
     "tiny": dict(requests=4, prompt=(4, 16), output=(2, 6), budget_sequences=2),
 }
-STORAGES = ("none", "int8")  # int4's key groups do not page yet (paged.paged_cache_class)
+STORAGES = ("none", "int8", "int4")
 DTYPE = torch.bfloat16  # the weights' and the caches'
 BATCH1 = ("mha",)  # the variants whose requests also go through batch-1 generate
 
@@ -123,7 +123,7 @@ def plot(serve, path):
     """Tokens a second against cache bytes a token, a point per variant and storage."""
     fig = Figure(figsize=(7, 4.5))
     ax = fig.subplots()
-    for storage, marker in zip(("none", "int8"), ("o", "s")):
+    for storage, marker in zip(STORAGES, ("o", "s", "^")):
         points = [(attn, r) for attn, v in serve["variants"].items() for r in v["serve"]
                   if r["kv_quant"] == storage]
         label = serve["workload"]["dtype"] if storage == "none" else storage

@@ -13,7 +13,11 @@ widest of them) a block goes back as soon as its last position has fallen out of
 The pool is a storage of ring.RingKVCache's kind with one row of n_blocks * block_size slots: a slot of
 the pool is slot (block, offset), and the storage's allocate, store and load make, write and read it as
 they would any cache's slots. So paging and storage are two choices: paged_cache_class(storage) is the
-paged cache over any of quant.CACHES (plain, int8), one class made of the two.
+paged cache over any of quant.CACHES, one class made of the two. A storage that quantises the entries
+that make keys (quant.KEYS) over groups of `group` consecutive slots (quant.Int4KVCache) gets blocks of
+`group` slots, those entries of each stored whole once it is full: until then they wait in the
+sequence's `tail`, in full precision (KIVI's residual, one for each sequence), and reads of them come
+from there; its other entries are stored as they come.
 
 A forward runs the sequences select chose, each at its own position (model.py's row_positions): row b's
 T new tokens are its positions lengths[b]..lengths[b] + T - 1, and its queries attend over its own
@@ -24,7 +28,7 @@ import math
 
 import torch
 
-from lib.attention.quant import Int4KVCache
+from lib.attention.quant import KEYS
 from lib.attention.ring import RingKVCache, visible
 
 
@@ -32,14 +36,19 @@ class PagedKVCache(RingKVCache):
     """A pool of blocks within budget bytes (the module's docstring); sequences are any hashable ids."""
 
     def __init__(self, model, budget, dtype=None, device=None, block_size=16):
-        self.block_size, self.paged = block_size, False  # paged: the pool made (length's answer)
+        # whole: blocks stored whole once full (a storage with key groups: its group is the block)
+        self.whole = getattr(self, "group", None) is not None
+        self.block_size, self.paged = self.group if self.whole else block_size, False  # paged: pool made
+        block_size = self.block_size
         dtype, device = dtype or model.wte.weight.dtype, device or model.rope.device
         super().__init__(model, 1, model.config.block_size, dtype, device)  # every layer empty, then the pool
         shapes = {tuple(sorted(self.sources[owner].cache_shapes().items())) for owner in self.sources}
         if len(shapes) > 1:
             raise ValueError("a paged cache pools layers that cache entries of the same shapes")
         shapes = dict(shapes.pop())
-        self.block_bytes = sum(buf.nbytes for buf in self.allocate(shapes, block_size, "meta").values())
+        # a block's bytes: what one more block adds to the storage's buffers (not its fixed residual)
+        self.block_bytes = (sum(buf.nbytes for buf in self.allocate(shapes, 2 * block_size, "meta").values())
+                            - sum(buf.nbytes for buf in self.allocate(shapes, block_size, "meta").values()))
         self.n_blocks = budget // self.block_bytes
         if self.n_blocks == 0:
             raise ValueError(f"a KV budget of {budget} bytes holds no block of {block_size} positions "
@@ -50,6 +59,7 @@ class PagedKVCache(RingKVCache):
             self.layers[owner] = pool  # every owner's store and load reach the one pool
         self.free = list(range(self.n_blocks - 1, -1, -1))  # blocks not held, popped from the end
         self.tables, self.lengths = {}, {}  # sequence: {owner: [block, or None once freed]}, positions held
+        self.tails = {}  # with whole blocks, sequence: {owner: {name: (1, block_size, *shape)}}, its newest
         self.rows = []
 
     def length(self, layer):  # the pool's slots for every owner; none before the pool is made
@@ -81,6 +91,7 @@ class PagedKVCache(RingKVCache):
         for blocks in self.tables.pop(seq, {}).values():
             self.free.extend(block for block in blocks if block is not None)
         self.lengths.pop(seq, None)
+        self.tails.pop(seq, None)
 
     def held_bytes(self):
         """The bytes of the blocks sequences hold now."""
@@ -126,7 +137,9 @@ class PagedKVCache(RingKVCache):
         layer, owner = attn.layer, self.kv_source[attn.layer]
         B, T = x.shape[:2]
         here = self.row_positions(torch.arange(T))  # (B, T)
-        if owner == layer:
+        if owner == layer and self.whole:
+            self.store_whole(owner, here, attn.cache_entries(x, rope))
+        elif owner == layer:
             new, _ = self.slots(owner, here)
             entries = attn.cache_entries(x, rope)
             self.store(owner, new.flatten().to(x.device),
@@ -141,11 +154,61 @@ class PagedKVCache(RingKVCache):
         slots, held = self.slots(owner, keys, self.slots(owner, here[:, -1:])[0])
         entries = {name: e.view(B, -1, *e.shape[2:])
                    for name, e in self.load(owner, slots.flatten().to(x.device)).items()}
+        if self.whole:
+            entries = self.with_tails(owner, keys, held, here, entries)
         k_pos = torch.where(held, keys, -1).to(q.device)
         mask = visible(here.to(q.device), k_pos, window).unsqueeze(1)  # (B, 1, T, S)
         prompt = B == 1 and end == T and window is None  # a whole prompt at once: Attention.attend's causal
         k, v = self.sources[owner].cached_keys_values(self.rope[start:end], **entries)
         return attn.attend(q, k, v, None if prompt else mask)
+
+    def store_whole(self, owner, here, entries):
+        """Each row's new entries {name: (B, T, *shape)}: those that make keys into its tail, and every block
+        they fill, whole, from the tail into the pool (its slots in order, as the storage's groups fill);
+        the others into their slots."""
+        bs = self.block_size
+        self.dtypes.setdefault(owner, {name: e.dtype for name, e in entries.items()})  # as store notes them
+        new, _ = self.slots(owner, here)
+        B, T = here.shape
+        device = next(iter(entries.values())).device
+        self.store(owner, new.flatten().to(device),
+                   {name: e.reshape(1, B * T, *e.shape[2:]) for name, e in entries.items()
+                    if name not in KEYS})
+        entries = {name: e for name, e in entries.items() if name in KEYS}
+        for b, seq in enumerate(self.rows):
+            tail = self.tails.setdefault(seq, {}).setdefault(
+                owner, {name: e.new_zeros(1, bs, *e.shape[2:]) for name, e in entries.items()})
+            first, T = int(here[b, 0]), here.size(1)
+            for i in range(T):  # a block's part at a time
+                if i and (first + i) % bs:
+                    continue
+                offset, n = (first + i) % bs, min(bs - (first + i) % bs, T - i)
+                for name, e in entries.items():
+                    tail[name][:, offset:offset + n] = e[b:b + 1, i:i + n]
+                if offset + n == bs:  # full: stored whole
+                    block = self.tables[seq][owner][(first + i) // bs]
+                    slots = torch.arange(block * bs, (block + 1) * bs, device=e.device)
+                    self.store(owner, slots, tail)
+
+    def with_tails(self, owner, keys, held, here, entries):
+        """entries {name: (B, S, *shape)} of positions keys (B, S), those of each row's block not yet full
+        taken from its tail; where a row holds no position (held False), its newest entry, as attend's."""
+        bs = self.block_size
+        end = here[:, -1:] + 1  # (B, 1): each row's positions after this forward
+        start = end - end % bs  # (B, 1): its block not yet full begins here (none where end % bs == 0)
+        fresh = (keys >= start) & (keys < end)  # (B, S)
+        fresh |= ~held & (end % bs != 0)  # the newest entry, in the tail
+        within = torch.where(keys >= start, keys - start, end - 1 - start).clamp(0, bs - 1)  # (B, S)
+        out = {}
+        for name, e in entries.items():
+            if name not in KEYS:
+                out[name] = e
+                continue
+            tails = torch.cat([self.tails[seq][owner][name] for seq in self.rows])  # (B, bs, *shape)
+            taken = tails[torch.arange(len(self.rows))[:, None], within.to(tails.device)]  # (B, S, *shape)
+            where = fresh.to(e.device).view(*fresh.shape, *[1] * (e.dim() - 2))
+            out[name] = torch.where(where, taken.to(e.dtype), e)
+        return out
 
     def advance(self, T):
         """The rows have moved on by T: a windowed owner gives back each block whose last position has
@@ -165,9 +228,6 @@ def paged_cache_class(storage=RingKVCache):
     two, paging's methods before the storage's allocate, store and load."""
     if storage is RingKVCache:
         return PagedKVCache
-    if issubclass(storage, Int4KVCache):  # its key groups fill one slot range at a time
-        raise ValueError(f"{storage.__name__} quantises key groups of consecutive slots as one sequence "
-                         "fills them, which a pool shared by sequences does not give it: page plain or int8")
     return type(f"Paged{storage.__name__}", (PagedKVCache, storage), {})
 
 
