@@ -34,7 +34,7 @@ from lib.attention.quant import cache_class
 WORKLOADS = {
     "128m": dict(requests=64, prompt=(16, 1024), output=(64, 256), budget_sequences=16),
     "cpu": dict(requests=48, prompt=(16, 64), output=(32, 96), budget_sequences=6),
-    "tiny": dict(requests=4, prompt=(4, 16), output=(2, 6), budget_sequences=2),
+    "tiny": dict(requests=4, prompt=(4, 16), output=(2, 6), budget_sequences=8),
 }
 STORAGES = ("none", "int8", "int4")
 DTYPE = torch.bfloat16  # the weights' and the caches'

@@ -60,6 +60,12 @@ class PagedKVCache(RingKVCache):
         self.free = list(range(self.n_blocks - 1, -1, -1))  # blocks not held, popped from the end
         self.tables, self.lengths = {}, {}  # sequence: {owner: [block, or None once freed]}, positions held
         self.tails = {}  # with whole blocks, sequence: {owner: {name: (1, block_size, *shape)}}, its newest
+        # a tail weighs on the budget as the blocks it would fill, taken from the pool with its sequence's
+        # first (reserved, given back with its last)
+        tail_bytes = block_size * sum(torch.Size(shape).numel() for name, shape in shapes.items()
+                                      if name in KEYS) * dtype.itemsize * len(self.sources)
+        self.tail_blocks = -(-tail_bytes // self.block_bytes) if self.whole else 0
+        self.reserved = {}  # sequence: the blocks its tails take
         self.rows = []
 
     def length(self, layer):  # the pool's slots for every owner; none before the pool is made
@@ -71,13 +77,16 @@ class PagedKVCache(RingKVCache):
         """The blocks seq takes to hold T more positions, in all its owner layers."""
         last = self.lengths.get(seq, 0) + T - 1  # the last position it will hold
         held = self.tables.get(seq, {})
-        return sum(last // self.block_size + 1 - len(held.get(owner, [])) for owner in self.sources)
+        tails = 0 if seq in self.tables else self.tail_blocks
+        return tails + sum(last // self.block_size + 1 - len(held.get(owner, [])) for owner in self.sources)
 
     def grow(self, seq, T):
         """Take the blocks for seq's next T positions (a new seq starts at 0); False, taking none, where the
         pool has fewer free."""
         if self.blocks_needed(seq, T) > len(self.free):
             return False
+        if seq not in self.tables:
+            self.reserved[seq] = [self.free.pop() for _ in range(self.tail_blocks)]
         table = self.tables.setdefault(seq, {owner: [] for owner in self.sources})
         self.lengths.setdefault(seq, 0)
         last = self.lengths[seq] + T - 1
@@ -92,6 +101,7 @@ class PagedKVCache(RingKVCache):
             self.free.extend(block for block in blocks if block is not None)
         self.lengths.pop(seq, None)
         self.tails.pop(seq, None)
+        self.free.extend(self.reserved.pop(seq, []))
 
     def held_bytes(self):
         """The bytes of the blocks sequences hold now."""
@@ -177,7 +187,8 @@ class PagedKVCache(RingKVCache):
         entries = {name: e for name, e in entries.items() if name in KEYS}
         for b, seq in enumerate(self.rows):
             tail = self.tails.setdefault(seq, {}).setdefault(
-                owner, {name: e.new_zeros(1, bs, *e.shape[2:]) for name, e in entries.items()})
+                owner, {name: e.new_zeros(1, bs, *e.shape[2:], dtype=self.dtype)  # as Int4KVCache's residual
+                        for name, e in entries.items()})
             first, T = int(here[b, 0]), here.size(1)
             for i in range(T):  # a block's part at a time
                 if i and (first + i) % bs:
@@ -233,6 +244,7 @@ def paged_cache_class(storage=RingKVCache):
 
 def blocks_for(cache, n, chunk):
     """The most blocks one sequence of n positions holds at once, prefilled chunk positions at a time: in a
-    layer of span W, at most the blocks of its W + chunk latest positions."""
+    layer of span W, at most the blocks of its W + chunk latest positions; and its tails'."""
     bs, full = cache.block_size, math.ceil(n / cache.block_size)
-    return sum(min(full, (cache.span[owner] + chunk) // bs + 2) for owner in cache.sources)
+    spans = sum(min(full, (cache.span[owner] + chunk) // bs + 2) for owner in cache.sources)
+    return cache.tail_blocks + spans
