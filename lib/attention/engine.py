@@ -54,7 +54,7 @@ class Request:
 
 class Engine:
     """Continuous batching over a paged cache of kv_budget_bytes (the module's docstring). storage: a
-    cache class of quant.CACHES (plain, int8), paged; dtype: the cache's (the weights' by default);
+    cache class of quant.CACHES (plain, int8, int4), paged; dtype: the cache's (the weights' by default);
     chunk: the prefill tokens a step; max_batch: the most requests running at once (None: as many as
     fit); clock: seconds (tools/bench.py's: CPU time at one thread). stats, after generate:
     peak_in_flight, preemptions, forwards, seconds, new_tokens, mean_s_per_token."""
