@@ -63,11 +63,11 @@ def rope_table(dim, max_len, theta):
 
 
 def apply_rope(x, rope):
-    """RoPE on x (B, T, heads, D) by rope's rows (T, rope_dim), one per token (ring.py's (B, T, rope_dim):
-    each sequence its own): x's last rope_dim dims are two halves x1, x2, and each pair (x1_i, x2_i) turns by
+    """RoPE on x (B, T, heads, D) by rope's rows (T, rope_dim), one per token (or (B, T, rope_dim): each row
+    its own): x's last rope_dim dims are two halves x1, x2, and each pair (x1_i, x2_i) turns by
     -s theta_i, s the token's position (nanochat's sign; scores see relative positions alone, either way)."""
     half = rope.size(-1) // 2
-    cos, sin = rope.unsqueeze(-2).to(x.dtype).chunk(2, dim=-1)  # (T, 1, half) each: the same for every head
+    cos, sin = rope.unsqueeze(-2).to(x.dtype).chunk(2, dim=-1)  # (..., T, 1, half) each: the same every head
     x_pass, x1, x2 = x.split((x.size(-1) - 2 * half, half, half), dim=-1)  # the first D - rope_dim dims pass
     return torch.cat((x_pass, x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
 
@@ -97,8 +97,7 @@ class Attention(nn.Module):
 
     def attend(self, q, k, v, mask=None):
         """softmax(q k^T / sqrt(d_qk)) v of q (B, T, H, d_qk), k (B, S, G, d_qk), v (B, S, G, d_v), head h
-        reading head h G // H, where mask (T, S) allows; with no mask, causal (T = S), or one query sees all
-        (a chunk after a cached prefix comes with its own mask: KVCache.attend)."""
+        reading head h G // H, where mask (T, S), (B, 1, T, S) allows (none: causal, T = S, or all: T = 1)."""
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask.to(q.device),
                                            is_causal=mask is None and q.size(2) > 1,
@@ -237,8 +236,7 @@ class MultiHeadLatentAttention(Attention):
     def keys_values(self, x, rope):
         c = norm(self.W_down(x))  # (B, T, d_c)
         k = self.keys(c, apply_rope(self.W_kr(x).unsqueeze(2), rope))  # (B, T, H, d_h + d_R)
-        # keys are normed after k_R turns, queries before turning: the same, as a rotation keeps the RMS
-        return norm(k), self.values(c)
+        return norm(k), self.values(c)  # normed after k_R turns, queries before: the same (Rot keeps the RMS)
 
     def keys(self, c, k_rope):  # every head's key before the QK norm, [c W_up,h^K | k_R]: (B, S, H, d_qk)
         k_nope = self.W_up_k(c).view(*c.shape[:2], self.n_head, self.head_dim)
@@ -380,8 +378,8 @@ def sample(logits, temperature=1.0, top_k=None):
 
 
 class KVCache:
-    """Decoding's memory, one for the whole model: each layer's entries of positions 0..pos-1 in buffers (B,
-    max_len, *shape), slot p position p; only allocate, store and load use them (quant.py's override)."""
+    """Decoding's memory, one for the whole model: each layer's entries of columns 0..pos-1 in buffers (B,
+    max_len, *shape), column p every row's position p; only allocate, store and load use them (quant.py's)."""
 
     def __init__(self, model, batch_size, max_len, dtype, device):
         self.pos, self.max_len, self.batch_size, self.dtype = 0, max_len, batch_size, dtype
@@ -405,10 +403,13 @@ class KVCache:
     def load(self, layer, slots):  # the layer's entries {name: (B, S, *shape)} at slots, as computed
         return {name: buf[:, slots].to(self.dtypes[layer][name]) for name, buf in self.layers[layer].items()}
 
-    def next_rope(self, T):  # the RoPE rows (T, rope_dim) of the next T positions
+    def row_positions(self, columns):  # the positions at columns (S,): (S,) where rows agree (here), or
+        return columns  # (B, S), each row's (ring.py: rows of different lengths, left-padded; a pad negative)
+
+    def next_rope(self, T):  # the next T columns' RoPE rows: (T, rope_dim), or (B, T, rope_dim) each row's
         if self.pos + T > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} tokens, {self.pos + T} were asked for")
-        return self.rope[self.pos:self.pos + T]
+        return self.rope[self.row_positions(torch.arange(self.pos, self.pos + T)).clamp(min=0)]  # a pad: 0's
 
     def attend(self, attn, q, x, rope):
         """attn's tokens x (B, T, d) at pos..pos+T-1 store their entries; their queries q (B, T, H, d_qk)
@@ -416,9 +417,8 @@ class KVCache:
         T, end = x.size(1), self.pos + x.size(1)
         self.store(attn.layer, slice(self.pos, end), attn.cache_entries(x, rope))  # rope: the T new rows
         k, v = attn.cached_keys_values(self.rope[:end], **self.load(attn.layer, slice(0, end)))  # end rows
-        chunk = self.pos > 0 and T > 1  # query pos + i sees key j <= pos + i: tril's diagonal moved by pos
-        mask = torch.ones(T, end, dtype=torch.bool, device=q.device).tril(self.pos) if chunk else None
-        return attn.attend(q, k, v, mask)
+        mask = torch.ones(T, end, dtype=torch.bool, device=q.device).tril(self.pos)  # pos + i sees j <= pos+i
+        return attn.attend(q, k, v, mask if self.pos > 0 and T > 1 else None)  # a chunk after a prefix
 
     def advance(self, T):  # after the last layer (GPT.forward): all layers of a forward see the same pos
         self.pos += T

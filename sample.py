@@ -4,6 +4,7 @@ Sample text from a checkpoint written by train.py, printing each token as it is 
     python sample.py out/demo/mha/ckpt.pt                        # a new document, on the best device
     python sample.py out/demo/lrkv-r8/ckpt.pt --prompt="def " --temperature=0 --device=cpu
     python sample.py out/mqa/ckpt.pt --prompt=FILE:prompt.txt --num_samples=5 --max_new_tokens=500
+    python sample.py out/demo/lrkv-r8/ckpt.pt --prompts=prompts.txt --kv_budget=4 --kv_quant=int8
 
 The checkpoint holds its data's tokenizer, which encodes the prompt and decodes the samples. A
 sample ends after max_new_tokens or at the end-of-text token. The model sees at most its
@@ -11,6 +12,10 @@ block_size last tokens: a longer prompt is cropped to them, as nanoGPT's sample.
 a sample that grows past block_size goes on from its most recent half (decode.stream). The last
 line gives the decoding speed and the KV cache each sample allocates (model.py's kv_cache_bytes),
 block_size tokens at most.
+
+--prompts=FILE samples a prompt for each of the file's lines, all of them at once: continuous
+batching (lib/attention/engine.py) over a paged cache of --kv_budget MiB, each sample printed when
+all are drawn, in the file's order; a prompt and its max_new_tokens must fit in block_size.
 """
 
 import argparse
@@ -23,6 +28,7 @@ import time
 import torch
 
 from lib.attention.decode import compiled_decode, exact_step, stream
+from lib.attention.engine import Engine
 from lib.evaluation.runs import layout
 from lib.training.data import load_tokenizer
 from lib.training.checkpoint import load_checkpoint
@@ -42,19 +48,33 @@ def temperature(text):
     return t
 
 
+def read_file(path, flag):  # flag: the flag that names it, as given
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ConfigError(f"{flag}: {e.strerror}") from None
+
+
+def mib(text):
+    n = float(text)
+    if not 0 < n < math.inf:  # nan fails this too
+        raise argparse.ArgumentTypeError(f"{text}: must be a finite number of MiB > 0")
+    return n
+
+
 def encode_prompt(prompt, tok):
     """The prompt's tokens, from its bytes: a file's for FILE:path, else the command line's, which
     Python holds as text, the bytes that are not UTF-8 as lone surrogates (os.fsencode gives them
-    back). The byte tokenizer takes any bytes as they are; GPT-2's encodes text, so it refuses a
-    prompt that is not UTF-8."""
+    back)."""
     if prompt.startswith("FILE:"):
-        try:
-            with open(prompt.removeprefix("FILE:"), "rb") as f:
-                data = f.read()
-        except OSError as e:
-            raise ConfigError(f"--prompt={prompt}: {e.strerror}") from None
-    else:
-        data = os.fsencode(prompt)
+        return encode_bytes(read_file(prompt.removeprefix("FILE:"), f"--prompt={prompt}"), tok)
+    return encode_bytes(os.fsencode(prompt), tok)
+
+
+def encode_bytes(data, tok):
+    """A prompt's tokens from its bytes. The byte tokenizer takes any bytes as they are; GPT-2's
+    encodes text, so it refuses a prompt that is not UTF-8."""
     # end-of-text opens every document in the shards: a prompt is the start of one
     if tok.name == "byte":
         try:
@@ -101,6 +121,11 @@ def main(argv=None):
                         help="decode without the KV cache: every step reads the whole sequence again")
     parser.add_argument("--kv_quant", type=kv_quant, default="none",
                         help="the KV cache's storage (lib/attention/quant.py): none (--dtype's), int8, int4")
+    parser.add_argument("--prompts", default=None,
+                        help="a file of prompts, one a line, sampled all at once by continuous batching "
+                             "(lib/attention/engine.py) within --kv_budget")
+    parser.add_argument("--kv_budget", type=mib, default=64.0,
+                        help="with --prompts: the MiB of the paged KV cache that the samples share")
     parser.add_argument("--compile", action="store_true",
                         help="compile the single-token step once, on fixed shapes (CUDA graphs on a GPU). "
                              "On a 2-core CPU compiling took 50 s with an empty compile cache, 7 s with a "
@@ -117,6 +142,12 @@ def main(argv=None):
         if args.no_cache and args.kv_quant != "none":
             raise ConfigError(f"--kv_quant={args.kv_quant} stores the KV cache: it cannot go with --no_cache")
         prompt = encode_prompt(args.prompt, tok)
+        if args.prompts is not None:
+            for flag, given in (("--prompt", args.prompt), ("--no_cache", args.no_cache),
+                                ("--compile", args.compile), ("--num_samples", args.num_samples > 1)):
+                if given:
+                    raise ConfigError(f"--prompts samples each line of its file once: not with {flag}")
+            prompts = [encode_bytes(line, tok) for line in read_file(args.prompts, f"--prompts={args.prompts}").splitlines()]
         dtype, why = ((getattr(torch, args.dtype), "--dtype") if args.dtype != "auto"
                       else decoding_dtype(ckpt.get("config", {}).get("dtype"), device))
     except ConfigError as e:
@@ -125,6 +156,8 @@ def main(argv=None):
 
     dtype_name = str(dtype).removeprefix("torch.")
     cache_class = quant.cache_class(args.kv_quant)
+    if args.prompts is not None:
+        return serve(model.to(dtype).eval(), prompts, tok, args, cache_class, dtype)
     cache_len = min(model.config.block_size, len(prompt) + args.max_new_tokens)  # decode.stream's cache
     cache_bytes = model.kv_cache_bytes(1, cache_len, dtype, cache_class)
     storage = dtype_name if args.kv_quant == "none" else f"{args.kv_quant}, scales in {dtype_name}"
@@ -153,6 +186,26 @@ def main(argv=None):
     seconds = time.perf_counter() - t0
     print(f"{args.num_samples} sample{'s' * (args.num_samples > 1)}, {drawn} tokens in {seconds:.1f} s"
           f"{' (compiling included)' if args.compile else ''}: {drawn / seconds:.0f} tokens/s | {cache}")
+    return 0
+
+
+def serve(model, prompts, tok, args, cache_class, dtype):
+    """--prompts: every prompt's sample, drawn together by the engine, each printed up to its end-of-text."""
+    torch.manual_seed(args.seed)
+    try:
+        engine = Engine(model, int(args.kv_budget * 2**20), cache_class, dtype)
+        samples = engine.generate(prompts, args.max_new_tokens, args.temperature, args.top_k, tok.vocab_size)
+    except ValueError as e:
+        print(f"sample.py: {e}", file=sys.stderr)
+        return 2
+    for prompt, new in zip(prompts, samples):
+        new = new[:new.index(tok.eot_id)] if tok.eot_id in new else new
+        print(tok.decode_bytes(prompt + new).decode("utf-8", errors="replace") + "\n---------------")
+    stats, budget = engine.stats, size(int(args.kv_budget * 2**20))
+    storage = args.kv_quant if args.kv_quant != "none" else str(dtype).removeprefix("torch.")
+    print(f"{len(prompts)} prompts, {stats['new_tokens']} tokens in {stats['seconds']:.1f} s: "
+          f"{stats['new_tokens'] / stats['seconds']:.0f} tokens/s | paged KV cache {budget} ({storage}), "
+          f"at most {stats['peak_in_flight']} sequences at once, {stats['preemptions']} preempted")
     return 0
 
 

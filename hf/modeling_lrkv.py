@@ -43,7 +43,7 @@ from transformers.utils import cached_file, logging
 
 from . import model
 from .model import GPT, GPTConfig
-from .ring import RingKVCache, visible
+from .ring import RingKVCache
 
 try:  # transformers 5's name; this folder needs transformers >= MIN_TRANSFORMERS
     from transformers import PreTrainedConfig
@@ -134,12 +134,13 @@ class LRKVTokenizer(PreTrainedTokenizerFast):
 
 
 class PaddedRingKVCache(RingKVCache):
-    """ring.RingKVCache with a position per row and column: columns are what transformers counts (a
-    pad takes one), positions what RoPE and windows count (a row's real tokens before it), a pad seen by
-    no other token (but itself, so that its softmax has something). A layer whose readers all have a
-    window W keeps W + pads columns, pads the most any row of the prompt has: a row's pads lie between
-    its end-of-text (column 0) and its text, so that its last W positions span W columns and its pads.
-    Its buffers grow with the columns held, to that at most: the bytes of the columns held."""
+    """ring.RingKVCache with a position per row and column (its row_positions): columns are what
+    transformers counts (a pad takes one), positions what RoPE and windows count (a row's real tokens
+    before it), a pad's negative, its own, so that ring.visible shows it to no other token. A layer
+    whose readers all have a window W keeps W + pads columns, pads the most any row of the prompt has: a
+    row's pads lie between its end-of-text (column 0) and its text, so that its last W positions span W
+    columns and its pads. Its buffers grow with the columns held, to that at most: the bytes of the
+    columns held."""
 
     def __init__(self, gpt, batch_size, dtype, device, pads):
         self.real = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)  # (B, columns): not a pad
@@ -163,23 +164,14 @@ class PaddedRingKVCache(RingKVCache):
         super().store(layer, slots, entries)
 
     def columns(self, real):
-        """The columns so far and the T a forward brings, real (B, pos + T): positions from them."""
+        """The columns so far and the T a forward brings, real (B, pos + T): positions from them, a pad's
+        -1 - its column."""
         self.real = real
-        self.positions = (real.long().cumsum(-1) - 1).clamp(min=0)  # (B, pos + T)
+        pads = -1 - torch.arange(real.size(1), device=real.device)
+        self.positions = torch.where(real, real.long().cumsum(-1) - 1, pads)  # (B, pos + T)
 
-    def next_rope(self, T):  # LRKVModel.forward has refused a sequence past max_len
-        return self.rope[self.positions[:, self.pos:self.pos + T]]  # (B, T, rope_dim)
-
-    def read(self, attn, T):
-        owner, entries, columns = self.held(attn, T)
-        here = torch.arange(self.pos, self.pos + T, device=columns.device)
-        window, positions = self.windows[attn.layer], self.positions
-        seen = visible(here, columns) & self.real[:, None, columns]  # (B, T, S)
-        if window is not None:
-            seen &= positions[:, here, None] - positions[:, None, columns] < window
-        seen |= here[:, None] == columns[None, :]  # a pad sees itself
-        rope = self.rope[positions[:, columns]]  # (B, S, rope_dim)
-        return self.sources[owner], entries, rope, seen[:, None]  # mask (B, 1, T, S)
+    def row_positions(self, columns):
+        return self.positions[:, columns.to(self.positions.device)]
 
     def select(self, rows):
         """Keep rows (an index tensor) of every buffer, in their order."""

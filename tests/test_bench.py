@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from lib.attention.decode import last_logits
+from lib.attention.layout import kv_cache_elements_per_token
 from model import GPT, GPTConfig, VARIANTS
 from tools import bench
+from tools import serve as serve_tool
 
 
 def strict_json(text):
@@ -58,6 +60,20 @@ def test_tiny_bench_writes_a_row_per_variant(tmp_path, capsys):
         assert f"| {name} |" in stdout
     mha = result["variants"]["mha"]
     assert mha["train"]["x_mha"] == 1 and all(d["x_mha"] == 1 for d in mha["decode"])
+    # serving: a row per storage, the cache's bytes a token as layout.py counts them, bf16 (int8: a byte
+    # a number and a bf16 scale a row; int4: half a byte, and its lows and scales)
+    serve = result["serve"]
+    for name, row in serve["variants"].items():
+        model = GPT(GPTConfig(attn=name, **result["config"]))
+        plain, int8, int4 = row["serve"]
+        assert plain["bytes_per_token"] == 2 * kv_cache_elements_per_token(model), name
+        assert plain["bytes_per_token"] / 2 < int8["bytes_per_token"] < plain["bytes_per_token"], name
+        assert plain["bytes_per_token"] / 4 < int4["bytes_per_token"] < int8["bytes_per_token"], name
+        for r in row["serve"]:
+            assert positive_numbers(r, "peak_in_flight", "tokens_per_s", "mean_ms_per_token"), name
+        assert (row["batch1"] is None) == (name not in serve_tool.BATCH1), name
+        assert row["batch1"] is None or positive_numbers(row["batch1"], "tokens_per_s", "mean_ms_per_token")
+        assert f"| {name} | bfloat16 |" in stdout
     config = result["config"]
     # the paper's 1/H + r/d_h, plus each head's key RMS that the decoder caches (+1/(2 d_h))
     H, d_h = config["n_head"], config["head_dim"]

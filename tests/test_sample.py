@@ -204,7 +204,29 @@ def bad_inputs(ckpt, tmp_path):
         ([ckpt, "--compile", "--no_cache"], "--compile compiles the cached single-token step"),
         ([ckpt, "--kv_quant=int3"], "argument --kv_quant: 'int3': must be one of none, int8, int4"),
         ([ckpt, "--kv_quant=int8", "--no_cache"], "--kv_quant=int8 stores the KV cache: it cannot go with"),
+        ([ckpt, f"--prompts={tmp_path}/missing.txt"], "--prompts=" + f"{tmp_path}/missing.txt: No such file"),
+        ([ckpt, f"--prompts={two_prompts(tmp_path)}", "--num_samples=2"], "not with --num_samples"),
+        ([ckpt, f"--prompts={two_prompts(tmp_path)}", "--kv_budget=nan"], "must be a finite number of MiB > 0"),
+        ([ckpt, f"--prompts={two_prompts(tmp_path)}", "--kv_budget=0.0001"], "holds no block of 16 positions"),
+        ([ckpt, f"--prompts={two_prompts(tmp_path)}", "--max_new_tokens=100000"], "pass the context"),
     ]
+
+
+def two_prompts(tmp_path):
+    (tmp_path / "prompts.txt").write_text("def \nclass A:\n")
+    return tmp_path / "prompts.txt"
+
+
+def test_a_file_of_prompts_samples_each_as_generate(capsys, ckpt, model, tmp_path):
+    """--prompts: each line's greedy sample, drawn together by continuous batching, is generate()'s of it;
+    the last line reports the engine's measures."""
+    assert sample.main([str(ckpt), "--device=cpu", f"--max_new_tokens={NEW}", "--temperature=0",
+                        f"--prompts={two_prompts(tmp_path)}", "--kv_budget=1"]) == 0
+    out, err = capsys.readouterr()
+    *samples, last = out.split(SEPARATOR)
+    assert samples == [reference(model, prompt, temperature=0)[0] for prompt in ("def ", "class A:")]
+    assert re.fullmatch(r"2 prompts, 40 tokens in .+ tokens/s \| paged KV cache 1.0 MiB \(float32\), at most "
+                        r"2 sequences at once, 0 preempted\n", last), last
 
 
 def test_auto_dtype_is_the_precision_policy_unless_the_run_chose_float32(ckpt):

@@ -31,6 +31,12 @@ mask), as one CUDA graph on a GPU; the seconds its compiling takes are reported 
         --dtype=float32 --random_caches --no-compiled_decode --new_tokens=4 --peaks  # docs/decoding.md
     python -m tools.bench --preset=128m --device=cuda --check --out=bench_gpu.json
 
+Serving (tools/serve.py): one seeded workload of requests at one KV budget through continuous
+batching over a paged cache, every variant with each cache storage (bf16, int8, int4), against the
+same requests through batch-1 generate: sequences in flight, tokens/s, ms per token, preemptions.
+
+    python -m tools.bench --preset=cpu --only=serve
+
 With --peaks, first the two ceilings of a roofline (measure_peaks): a square matmul's FLOP/s and
 the bandwidth of reading a tensor much larger than the caches.
 
@@ -64,6 +70,7 @@ from lib.training.hardware import DEVICES, PRECISION_NAMES, USES, peak_flops, pi
 from model import GPT, GPTConfig, VARIANTS
 from lib.training.data import atomic_open
 from lib.training.recipe import TrainConfig, configure_optimizers, flops_per_token, optimizer_step
+from tools import serve
 
 PRESETS = {
     # The paper's 128M model and batch: 16 x 2048 tokens a step. Decoding a batch of 16 makes
@@ -463,6 +470,8 @@ def markdown(result):
             verdict = "ok" if ch["decode_rel_err"] < ch["decode_tol"] else "FAIL"
             lines.append(f"| {name} | {ch['flash_error'] or 'ok'} | {used} | {ch['decode_rel_err']:.1e} "
                          f"({verdict}: tolerance {ch['decode_tol']:.0e}) |")
+    if "serve" in result:
+        lines += ["", serve.markdown(result["serve"])]
     if "peaks" in result:
         lines += ["", f"Ceilings (measure_peaks, best of 5): {'; '.join(map(ceilings, result['peaks']))}"]
     if "mha_sdpa_ms" in result:
@@ -515,9 +524,9 @@ def main(argv=None):
                              "attention kernels training runs and time MHA with each SDPA backend")
     parser.add_argument("--peaks", action="store_true",
                         help="first measure a roofline's ceilings: matmul FLOP/s and memory read bandwidth")
-    parser.add_argument("--only", choices=("train", "decode", "peaks"),
-                        help="measure training, decoding or --peaks' ceilings alone (default: training and "
-                             "decoding)")
+    parser.add_argument("--only", choices=("train", "decode", "serve", "peaks"),
+                        help="measure training, decoding, serving or --peaks' ceilings alone (default: "
+                             "training, decoding and serving)")
     parser.add_argument("--attn", type=variants, default=list(VARIANTS),
                         help="comma-separated variants, measured in this order after MHA, which every row is "
                              "relative to (default: all)")
@@ -643,6 +652,13 @@ def main(argv=None):
                      + f") at {d['context']}, {d['kv_quant']} cache" for d in rows]
             speedup = f"; without the cache {uncached['speedup']:.1f}x the time" if uncached else ""
             log(f"{attn}: decoding {', '.join(times)}{speedup}")
+        save(result, args.out)
+    if args.only in (None, "serve"):
+        log("serving, every variant in turn")
+        models = {attn: inference_model(GPTConfig(attn=attn, **preset["model"]), device, serve.DTYPE)
+                  for attn in result["variants"]}
+        result["serve"] = serve.bench_serve(models, serve.WORKLOADS[args.preset], device, log,
+                                            lambda: clock(device))
         save(result, args.out)
     print(markdown(result))
     log(f"wrote {args.out}; {time.perf_counter() - T0:.0f} s in all")

@@ -15,6 +15,13 @@ positions finds all of them in the ring. One case breaks it: a chunk of T > 1 ne
 would overwrite positions that its own first queries still see. Such a chunk waits in `pending`, read
 beside the ring, until advance stores it (its last `length` positions, into their slots).
 A storage of another kind (quant.py) overrides allocate, store and load, as it would model.py's cache.
+
+Slots count columns, which every row shares; a row's position at a column is its own (row_positions,
+model.py's interface). Here prompts of different lengths come left-padded: row b's position at column c
+is c - starts[b], a pad's negative, so that each row gets its own RoPE rows and mask (visible) and decodes
+as it would alone. hf/modeling_lrkv.py's padded cache gives positions its own way, through the same hook.
+decode.py's single-token steps take rows that agree (rope (S, rope_dim)); rows that differ decode by the
+plain cached path.
 """
 
 import torch
@@ -25,10 +32,13 @@ from model import KVCache
 def visible(q_pos, k_pos, window=None):
     """The one attention rule, for training with windows, prefill and every decoding path: the query at
     position i sees the key at position j when j <= i (causal) and, in a layer with a window W,
-    i - j < W. q_pos (T,) and k_pos (S,) are positions; a negative key position is an empty slot, seen
-    by none. Returns a (T, S) bool mask."""
-    distance = q_pos[:, None] - k_pos[None, :]  # (T, S)
-    seen = (distance >= 0) & (k_pos >= 0)
+    i - j < W. A negative key position is an empty slot or a pad, seen by none but a query at that very
+    position (a pad sees itself, so that its softmax has a key: pads have positions of their own).
+    q_pos (T,) and k_pos (S,) are positions, or (B, T) and (B, S) each row's. Returns the bool mask
+    (T, S), or (B, T, S)."""
+    k_pos = k_pos.unsqueeze(-2)  # (..., 1, S)
+    distance = q_pos.unsqueeze(-1) - k_pos  # (..., T, S)
+    seen = (distance >= 0) & (k_pos >= 0) | (distance == 0)
     return seen if window is None else seen & (distance < window)
 
 
@@ -66,7 +76,11 @@ class RingKVCache(KVCache):
         self.span = {owner: max(min(self.windows[reader] or max_len, max_len) for reader in range(n)
                                 if self.kv_source[reader] == owner) for owner in self.sources}
         self.pending = {}  # owner: a chunk's entries waiting to be stored (write)
+        self.starts = None  # (B,): each row's first column, left-padded rows; set before the first forward
         super().__init__(model, batch_size, max_len, dtype, device)
+
+    def row_positions(self, columns):
+        return columns if self.starts is None else columns - self.starts.to(columns.device)[:, None]
 
     def length(self, layer):
         return self.span.get(layer, 0)  # a layer that reads another's keys holds no slot
@@ -97,8 +111,8 @@ class RingKVCache(KVCache):
         self.store(layer, slots, {name: x[:, -length:] for name, x in entries.items()})
 
     def held(self, attn, T):
-        """The entries attn's T new queries at pos..pos+T-1 read, {name: (B, S, *shape)} (their owner's
-        slots written, then any pending chunk), their owner, and the position each holds (S,)."""
+        """The entries attn's T new queries at columns pos..pos+T-1 read, {name: (B, S, *shape)} (their
+        owner's slots written, then any pending chunk), their owner, and the column each holds (S,)."""
         owner = self.kv_source[attn.layer]
         pending = self.pending.get(owner)
         ahead = 0 if pending is not None else T  # the queries' own positions, already in the slots
@@ -112,16 +126,20 @@ class RingKVCache(KVCache):
 
     def read(self, attn, T):
         """What attn's T new queries see, as model.py's KVCache.attend uses it: the attention whose entries
-        they are (attn's owner), those entries (held), their RoPE rows (S, rope_dim), and the mask (T, S)
-        of visible with attn's window (None where Attention.attend's own rule is it)."""
-        owner, entries, positions = self.held(attn, T)
+        they are (attn's owner), those entries (held), their RoPE rows (S, rope_dim), or (B, S, rope_dim)
+        where rows differ, and the mask (T, S), or (B, 1, T, S), of visible with attn's window and each
+        row's positions (None where Attention.attend's own rule is it)."""
+        owner, entries, columns = self.held(attn, T)
         window, pending = self.windows[attn.layer], owner in self.pending
-        here = torch.arange(self.pos, self.pos + T, device=positions.device)
-        plain = window is None and (T == 1 or self.pos == 0 and not pending)  # Attention.attend's rule
-        mask = None if plain else visible(here, positions, window)
+        q_pos = self.row_positions(torch.arange(self.pos, self.pos + T, device=columns.device))
+        k_pos = self.row_positions(columns)  # (S,), or (B, S) where rows differ
+        agree = k_pos.dim() == 1
+        plain = agree and window is None and (T == 1 or self.pos == 0 and not pending)  # Attention.attend's
+        mask = None if plain else visible(q_pos, k_pos, window)
+        mask = mask if agree or mask is None else mask.unsqueeze(1)  # (B, 1, T, S): the same for every head
         # while no slot has wrapped, slot s holds position s: a view of the table, not a gather
-        unwrapped = not pending and self.pos + T <= self.length(owner)
-        rope = self.rope[:len(positions)] if unwrapped else self.rope[positions]
+        unwrapped = agree and not pending and self.pos + T <= self.length(owner)
+        rope = self.rope[:len(columns)] if unwrapped else self.rope[k_pos.clamp(min=0)]
         return self.sources[owner], entries, rope, mask
 
     def advance(self, T):

@@ -1,0 +1,250 @@
+"""
+A paged cache (vLLM's PagedAttention, Kwon et al. 2023): the KV cache of many sequences at once, within
+one byte budget, for every variant, layout (layout.py) and storage (quant.py).
+
+The entries live in one pool of blocks of `block_size` slots, which every layer that owns entries draws
+from (a layer that reads another's keys holds none): a block holds block_size consecutive positions of
+one sequence in one layer. A sequence has a block table per owner layer, its blocks in the order of its
+positions, so that its position p in that layer lives in slot p % block_size of block table[p //
+block_size]. Blocks are taken as a sequence grows (grow, which refuses what the pool lacks), all of them
+given back when it ends (release), and in a layer whose readers all have windows (ring.py's span: the
+widest of them) a block goes back as soon as its last position has fallen out of that span.
+
+The pool is a storage of ring.RingKVCache's kind with one row of n_blocks * block_size slots: a slot of
+the pool is slot (block, offset), and the storage's allocate, store and load make, write and read it as
+they would any cache's slots. So paging and storage are two choices: paged_cache_class(storage) is the
+paged cache over any of quant.CACHES, one class made of the two. A storage that quantises the entries
+that make keys (quant.KEYS) over groups of `group` consecutive slots (quant.Int4KVCache) gets blocks of
+`group` slots, those entries of each stored whole once it is full: until then they wait in the
+sequence's `tail`, in full precision (KIVI's residual, one for each sequence), and reads of them come
+from there; its other entries are stored as they come.
+
+A forward runs the sequences select chose, each at its own position (model.py's row_positions): row b's
+T new tokens are its positions lengths[b]..lengths[b] + T - 1, and its queries attend over its own
+positions alone, gathered from its blocks, as ring.visible of each row's positions allows.
+"""
+
+import math
+
+import torch
+
+from lib.attention.quant import KEYS
+from lib.attention.ring import RingKVCache, visible
+
+
+class PagedKVCache(RingKVCache):
+    """A pool of blocks within budget bytes (the module's docstring); sequences are any hashable ids."""
+
+    def __init__(self, model, budget, dtype=None, device=None, block_size=16):
+        # whole: blocks stored whole once full (a storage with key groups: its group is the block)
+        self.whole = getattr(self, "group", None) is not None
+        self.block_size, self.paged = self.group if self.whole else block_size, False  # paged: pool made
+        block_size = self.block_size
+        dtype, device = dtype or model.wte.weight.dtype, device or model.rope.device
+        super().__init__(model, 1, model.config.block_size, dtype, device)  # every layer empty, then the pool
+        shapes = {tuple(sorted(self.sources[owner].cache_shapes().items())) for owner in self.sources}
+        if len(shapes) > 1:
+            raise ValueError("a paged cache pools layers that cache entries of the same shapes")
+        shapes = dict(shapes.pop())
+        # a block's bytes: what one more block adds to the storage's buffers (not its fixed residual)
+        self.block_bytes = (sum(buf.nbytes for buf in self.allocate(shapes, 2 * block_size, "meta").values())
+                            - sum(buf.nbytes for buf in self.allocate(shapes, block_size, "meta").values()))
+        self.n_blocks = budget // self.block_bytes
+        if self.n_blocks == 0:
+            raise ValueError(f"a KV budget of {budget} bytes holds no block of {block_size} positions "
+                             f"({self.block_bytes} bytes)")
+        self.paged = True
+        pool = self.allocate(shapes, self.n_blocks * block_size, device)
+        for owner in self.sources:
+            self.layers[owner] = pool  # every owner's store and load reach the one pool
+        self.free = list(range(self.n_blocks - 1, -1, -1))  # blocks not held, popped from the end
+        self.tables, self.lengths = {}, {}  # sequence: {owner: [block, or None once freed]}, positions held
+        self.tails = {}  # with whole blocks, sequence: {owner: {name: (1, block_size, *shape)}}, its newest
+        # a tail weighs on the budget as the blocks it would fill, taken from the pool with its sequence's
+        # first (reserved, given back with its last)
+        tail_bytes = block_size * sum(torch.Size(shape).numel() for name, shape in shapes.items()
+                                      if name in KEYS) * dtype.itemsize * len(self.sources)
+        self.tail_blocks = -(-tail_bytes // self.block_bytes) if self.whole else 0
+        self.reserved = {}  # sequence: the blocks its tails take
+        self.rows = []
+
+    def length(self, layer):  # the pool's slots for every owner; none before the pool is made
+        return self.n_blocks * self.block_size if self.paged and layer in self.sources else 0
+
+    # Sequences and their blocks
+
+    def blocks_needed(self, seq, T):
+        """The blocks seq takes to hold T more positions, in all its owner layers."""
+        last = self.lengths.get(seq, 0) + T - 1  # the last position it will hold
+        held = self.tables.get(seq, {})
+        tails = 0 if seq in self.tables else self.tail_blocks
+        return tails + sum(last // self.block_size + 1 - len(held.get(owner, [])) for owner in self.sources)
+
+    def grow(self, seq, T):
+        """Take the blocks for seq's next T positions (a new seq starts at 0); False, taking none, where the
+        pool has fewer free."""
+        if self.blocks_needed(seq, T) > len(self.free):
+            return False
+        if seq not in self.tables:
+            self.reserved[seq] = [self.free.pop() for _ in range(self.tail_blocks)]
+        table = self.tables.setdefault(seq, {owner: [] for owner in self.sources})
+        self.lengths.setdefault(seq, 0)
+        last = self.lengths[seq] + T - 1
+        for blocks in table.values():
+            while len(blocks) <= last // self.block_size:
+                blocks.append(self.free.pop())
+        return True
+
+    def release(self, seq):
+        """seq has ended (or is preempted): all its blocks back to the pool."""
+        for blocks in self.tables.pop(seq, {}).values():
+            self.free.extend(block for block in blocks if block is not None)
+        self.lengths.pop(seq, None)
+        self.tails.pop(seq, None)
+        self.free.extend(self.reserved.pop(seq, []))
+
+    def held_bytes(self):
+        """The bytes of the blocks sequences hold now."""
+        return (self.n_blocks - len(self.free)) * self.block_bytes
+
+    def select(self, seqs):
+        """The sequences of the next forward, its rows in this order, each grown (grow) for its T new tokens
+        beforehand."""
+        self.rows = list(seqs)
+
+    # The forward: each row at its own positions
+
+    def row_positions(self, columns):
+        """Each row's positions from its length on, columns (T,) counted from there: (B, T)."""
+        lengths = torch.tensor([self.lengths[seq] for seq in self.rows], device=columns.device)
+        return lengths[:, None] + columns
+
+    def next_rope(self, T):
+        here = self.row_positions(torch.arange(T))  # (B, T)
+        if int(here.max()) >= self.max_len:
+            raise ValueError(f"a sequence of the paged cache holds {self.max_len} tokens, "
+                             f"{int(here.max()) + 1} were asked for")
+        return self.rope[here.to(self.rope.device)]  # (B, T, rope_dim)
+
+    def slots(self, owner, positions, instead=0):
+        """The pool's slots (B, S) of each row's positions (B, S) in owner's blocks, and which of them are
+        held (a negative position, or one in a block freed out of its window, is not: the slot `instead`
+        (B, 1) in its place)."""
+        bs = self.block_size
+        tables = [self.tables[seq][owner] for seq in self.rows]
+        width = max(len(blocks) for blocks in tables)
+        table = torch.tensor([[-1 if b is None else b for b in blocks] + [-1] * (width - len(blocks))
+                              for blocks in tables])  # (B, blocks): -1 none
+        index = (positions // bs).clamp(0, width - 1)
+        block = table.gather(1, index)
+        held = (block >= 0) & (positions >= 0) & (positions // bs < width)
+        return torch.where(held, block * bs + positions % bs, instead), held
+
+    def attend(self, attn, q, x, rope):
+        """attn's tokens x (B, T, d), each row's next T positions, leave their entries in their rows' blocks
+        (an owner layer); the queries q attend over each row's positions that their window keeps, as
+        visible allows."""
+        layer, owner = attn.layer, self.kv_source[attn.layer]
+        B, T = x.shape[:2]
+        here = self.row_positions(torch.arange(T))  # (B, T)
+        if owner == layer and self.whole:
+            self.store_whole(owner, here, attn.cache_entries(x, rope))
+        elif owner == layer:
+            new, _ = self.slots(owner, here)
+            entries = attn.cache_entries(x, rope)
+            self.store(owner, new.flatten().to(x.device),
+                       {name: e.reshape(1, B * T, *e.shape[2:]) for name, e in entries.items()})
+        window, span = self.windows[layer], self.span[owner]
+        end = int(here.max()) + 1
+        # from the first position that any row's first query may see in the owner's span
+        start = 0 if span == self.max_len else max(0, int(here[:, 0].min()) - span + 1)
+        keys = torch.arange(start, end).expand(B, -1)  # (B, S): the positions read
+        keys = torch.where(keys <= here[:, -1:], keys, -1)  # -1 past a row's end: nothing there
+        # where a row holds no position, its newest entry, masked: a key RMS of 0 would make keys of 0 / 0
+        slots, held = self.slots(owner, keys, self.slots(owner, here[:, -1:])[0])
+        entries = {name: e.view(B, -1, *e.shape[2:])
+                   for name, e in self.load(owner, slots.flatten().to(x.device)).items()}
+        if self.whole:
+            entries = self.with_tails(owner, keys, held, here, entries)
+        k_pos = torch.where(held, keys, -1).to(q.device)
+        mask = visible(here.to(q.device), k_pos, window).unsqueeze(1)  # (B, 1, T, S)
+        prompt = B == 1 and end == T and window is None  # a whole prompt at once: Attention.attend's causal
+        k, v = self.sources[owner].cached_keys_values(self.rope[start:end], **entries)
+        return attn.attend(q, k, v, None if prompt else mask)
+
+    def store_whole(self, owner, here, entries):
+        """Each row's new entries {name: (B, T, *shape)}: those that make keys into its tail, and every block
+        they fill, whole, from the tail into the pool (its slots in order, as the storage's groups fill);
+        the others into their slots."""
+        bs = self.block_size
+        self.dtypes.setdefault(owner, {name: e.dtype for name, e in entries.items()})  # as store notes them
+        new, _ = self.slots(owner, here)
+        B, T = here.shape
+        device = next(iter(entries.values())).device
+        self.store(owner, new.flatten().to(device),
+                   {name: e.reshape(1, B * T, *e.shape[2:]) for name, e in entries.items()
+                    if name not in KEYS})
+        entries = {name: e for name, e in entries.items() if name in KEYS}
+        for b, seq in enumerate(self.rows):
+            tail = self.tails.setdefault(seq, {}).setdefault(
+                owner, {name: e.new_zeros(1, bs, *e.shape[2:], dtype=self.dtype)  # as Int4KVCache's residual
+                        for name, e in entries.items()})
+            first, T = int(here[b, 0]), here.size(1)
+            for i in range(T):  # a block's part at a time
+                if i and (first + i) % bs:
+                    continue
+                offset, n = (first + i) % bs, min(bs - (first + i) % bs, T - i)
+                for name, e in entries.items():
+                    tail[name][:, offset:offset + n] = e[b:b + 1, i:i + n]
+                if offset + n == bs:  # full: stored whole
+                    block = self.tables[seq][owner][(first + i) // bs]
+                    slots = torch.arange(block * bs, (block + 1) * bs, device=e.device)
+                    self.store(owner, slots, tail)
+
+    def with_tails(self, owner, keys, held, here, entries):
+        """entries {name: (B, S, *shape)} of positions keys (B, S), those of each row's block not yet full
+        taken from its tail; where a row holds no position (held False), its newest entry, as attend's."""
+        bs = self.block_size
+        end = here[:, -1:] + 1  # (B, 1): each row's positions after this forward
+        start = end - end % bs  # (B, 1): its block not yet full begins here (none where end % bs == 0)
+        fresh = (keys >= start) & (keys < end)  # (B, S)
+        fresh |= ~held & (end % bs != 0)  # the newest entry, in the tail
+        within = torch.where(keys >= start, keys - start, end - 1 - start).clamp(0, bs - 1)  # (B, S)
+        out = {}
+        for name, e in entries.items():
+            if name not in KEYS:
+                out[name] = e
+                continue
+            tails = torch.cat([self.tails[seq][owner][name] for seq in self.rows])  # (B, bs, *shape)
+            taken = tails[torch.arange(len(self.rows))[:, None], within.to(tails.device)]  # (B, S, *shape)
+            where = fresh.to(e.device).view(*fresh.shape, *[1] * (e.dim() - 2))
+            out[name] = torch.where(where, taken.to(e.dtype), e)
+        return out
+
+    def advance(self, T):
+        """The rows have moved on by T: a windowed owner gives back each block whose last position has
+        fallen out of its span (the next query, at position n, sees none at or before n - span)."""
+        for seq in self.rows:
+            self.lengths[seq] += T
+            for owner, blocks in self.tables[seq].items():
+                dead = (self.lengths[seq] - self.span[owner] + 1) // self.block_size  # blocks wholly before
+                for i in range(min(dead, len(blocks))):
+                    if blocks[i] is not None:
+                        self.free.append(blocks[i])
+                        blocks[i] = None
+
+
+def paged_cache_class(storage=RingKVCache):
+    """The paged cache over storage (a class of quant.CACHES, or any RingKVCache storage): one class of the
+    two, paging's methods before the storage's allocate, store and load."""
+    if storage is RingKVCache:
+        return PagedKVCache
+    return type(f"Paged{storage.__name__}", (PagedKVCache, storage), {})
+
+
+def blocks_for(cache, n, chunk):
+    """The most blocks one sequence of n positions holds at once, prefilled chunk positions at a time: in a
+    layer of span W, at most the blocks of its W + chunk latest positions; and its tails'."""
+    bs, full = cache.block_size, math.ceil(n / cache.block_size)
+    spans = sum(min(full, (cache.span[owner] + chunk) // bs + 2) for owner in cache.sources)
+    return cache.tail_blocks + spans

@@ -1,0 +1,157 @@
+"""Many sequences at once: rows at different positions through model.py's forward (ring.py's left-padded
+rows) against each row alone; lib/attention/paged.py's paged cache and lib/attention/engine.py's continuous
+batching against each prompt decoded alone with the plain cache, for every variant, layout and storage,
+preempted too; bad input in one line."""
+
+import pytest
+import torch
+
+from lib.attention.engine import Engine
+from lib.attention.layout import kv_cache_elements_per_token
+from lib.attention.paged import PagedKVCache, blocks_for
+from lib.attention.quant import Int4KVCache, Int8KVCache
+from lib.attention.ring import RingKVCache
+from model import VARIANTS
+from references import TINY, tiny_model
+
+LAYOUTS = {"plain": {}, "cla2": dict(cla=2), "window": dict(window=5, window_pattern="SL")}
+
+
+def prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, TINY.vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+def left_padded(rows):
+    """rows (lists of tokens) as idx (B, T), each left-padded with token 0, and each row's first column."""
+    T = max(len(row) for row in rows)
+    idx = torch.tensor([[0] * (T - len(row)) + row for row in rows])
+    return idx, torch.tensor([T - len(row) for row in rows])
+
+
+@pytest.mark.parametrize("attn", VARIANTS)
+def test_rows_at_different_positions_decode_as_each_row_alone(attn):
+    """Prompts of 3, 9 and 6 tokens left-padded into one batch, then 6 more tokens each, one a forward: every
+    row's logits are those of the row decoded alone (fp32), with shared keys and with windows of 5 (which
+    the longest row outgrows, and the ring wraps)."""
+    rows, more = prompts([3, 9, 6]), torch.randint(0, TINY.vocab_size, (3, 6), generator=torch.Generator())
+    idx, starts = left_padded(rows)
+    for layout, knobs in LAYOUTS.items():
+        model = tiny_model(attn, n_layer=4, **knobs)
+        with torch.no_grad():
+            cache = model.new_cache(3, idx.size(1) + 6, torch.float32, cache_class=RingKVCache)
+            cache.starts = starts
+            batched = [model(idx, cache=cache)[0][:, -1]]
+            batched += [model(more[:, t:t + 1], cache=cache)[0][:, -1] for t in range(6)]
+            for b, row in enumerate(rows):
+                alone = model.new_cache(1, len(row) + 6, torch.float32, cache_class=RingKVCache)
+                logits = [model(torch.tensor([row]), cache=alone)[0][0, -1]]
+                logits += [model(more[b:b + 1, t:t + 1], cache=alone)[0][0, -1] for t in range(6)]
+                torch.testing.assert_close(torch.stack([x[b] for x in batched]), torch.stack(logits),
+                                           atol=1e-5, rtol=1e-5, msg=f"{layout} row {b}")
+
+
+def alone(model, prompt, n, cache_class=RingKVCache, length=None):
+    """prompt's n greedy tokens decoded alone: a prefill, then a token a forward, through a cache of
+    cache_class in fp32, of length positions (default: the prompt's and n)."""
+    cache = model.new_cache(1, length or len(prompt) + n, torch.float32, cache_class=cache_class)
+    idx, out = torch.tensor([prompt]), []
+    with torch.no_grad():
+        for _ in range(n):
+            out.append(int(model(idx, cache=cache)[0][0, -1].argmax()))
+            idx = torch.tensor([[out[-1]]])
+    return out
+
+
+LENGTHS = [5, 23, 1, 40, 9]  # prompts of different lengths, two of them longer than a chunk of 16
+NEW = 6
+
+
+def serve(model, budget, storage=RingKVCache, new=NEW):
+    engine = Engine(model, budget, storage, torch.float32, block_size=4, chunk=16)
+    return engine.generate(prompts(LENGTHS), new), engine
+
+
+@pytest.mark.parametrize("storage", [RingKVCache, Int8KVCache], ids=["plain", "int8"])
+@pytest.mark.parametrize("attn", VARIANTS)
+def test_every_request_decodes_as_its_prompt_alone(attn, storage):
+    """Five prompts of 1 to 40 tokens through the engine (blocks of 4 positions, prefill chunks of 16):
+    every request's greedy tokens are those of its prompt decoded alone through a cache of the same storage,
+    with shared keys and with windows of 5 (whose blocks go back as they fall out of the window)."""
+    for layout, knobs in LAYOUTS.items():
+        model = tiny_model(attn, n_layer=2, block_size=64, **knobs)
+        budget = model.kv_cache_bytes(len(LENGTHS), 64, torch.float32, storage)
+        got, engine = serve(model, budget, storage)
+        expected = [alone(model, prompt, NEW, storage) for prompt in prompts(LENGTHS)]
+        assert got == expected, layout
+        assert engine.stats["peak_in_flight"] > 1 and engine.cache.held_bytes() == 0, layout
+
+
+class Int4Groups4(Int4KVCache):
+    group = 4  # key groups, and so blocks, of 4 positions, which the tests' prompts fill
+
+
+@pytest.mark.parametrize("attn", VARIANTS)
+def test_int4_pages_its_key_groups_as_blocks(attn):
+    """int4's keys quantised per channel over groups of 4 positions: the engine's blocks are the groups,
+    each stored whole once full, the newest in the sequence's full-precision tail until then. Every
+    request's greedy tokens are those of its prompt alone through an int4 cache of 64 positions (a
+    multiple of the group, so that no group ends early at the cache's last slot), with and without
+    shared keys. (A windowed ring's int4 groups run over its slots, the pages' over positions: they
+    differ, and are not compared.)"""
+    for layout, knobs in list(LAYOUTS.items())[:2]:
+        model = tiny_model(attn, n_layer=2, block_size=64, **knobs)
+        got, engine = serve(model, model.kv_cache_bytes(len(LENGTHS), 64, torch.float32), Int4Groups4)
+        assert engine.cache.block_size == 4 and engine.cache.held_bytes() == 0, layout
+        assert got == [alone(model, prompt, NEW, Int4Groups4, 64) for prompt in prompts(LENGTHS)], layout
+
+
+@pytest.mark.parametrize("attn", ["mha", "lrkv", "mla"])
+def test_a_full_pool_preempts_and_recomputes_to_the_same_tokens(attn):
+    """A budget of the blocks that the longest request (40 + 16 tokens) needs, no more: requests wait and are
+    preempted (their blocks freed, their context recomputed later), and still every request's tokens are
+    its prompt's alone."""
+    for layout, knobs in LAYOUTS.items():
+        model = tiny_model(attn, n_layer=2, block_size=64, **knobs)
+        probe = PagedKVCache(model, 10**6, torch.float32, block_size=4)
+        got, engine = serve(model, blocks_for(probe, 40 + 16, 16) * probe.block_bytes, new=16)
+        assert got == [alone(model, prompt, 16) for prompt in prompts(LENGTHS)], layout
+        assert engine.stats["preemptions"] > 0, layout
+
+
+def test_the_pool_holds_a_sequences_blocks_and_a_window_gives_back_what_falls_out_of_it():
+    """A layer that sees every position holds all of a sequence's blocks; a layer whose window is 5 holds at
+    most the blocks of its last 5 positions and the one being filled; the cache's held_bytes counts the
+    blocks held, a block being 4 positions of one layer's entries (fp32); all go back when it ends."""
+    model = tiny_model("lrkv", n_layer=2, block_size=64, window=5, window_pattern="SL")
+    cache = PagedKVCache(model, 10**6, torch.float32, block_size=4)
+    per_layer = kv_cache_elements_per_token(model) // 2 * 4  # fp32 bytes a position in one layer
+    assert cache.block_bytes == 4 * per_layer and cache.n_blocks == 10**6 // cache.block_bytes
+    with torch.no_grad():
+        for n, token in enumerate(prompts([30])[0]):
+            assert cache.grow("a", 1)
+            cache.select(["a"])
+            model(torch.tensor([[token]]), cache=cache)
+            windowed, full = ([b for b in cache.tables["a"][layer] if b is not None] for layer in (0, 1))
+            assert len(full) == n // 4 + 1 and len(windowed) <= -(-5 // 4) + 1, n
+            assert cache.held_bytes() == (len(full) + len(windowed)) * cache.block_bytes
+    cache.release("a")
+    assert cache.held_bytes() == 0 and len(cache.free) == cache.n_blocks
+
+
+def test_bad_input_is_one_line():
+    model = tiny_model("mha", n_layer=2, block_size=64)
+    engine = Engine(model, 10**5, dtype=torch.float32, block_size=4)
+    for prompts_, new, said in (([[1, 2], []], 4, "prompt 1 is empty"),
+                                ([[1] * 65], 4, "prompt 0 has 65 tokens, longer than the context"),
+                                ([[1] * 60], 5, "prompt 0 of 60 tokens and max_new_tokens=5 pass the"),
+                                ([[1]], 0, "max_new_tokens=0: must be a positive integer")):
+        with pytest.raises(ValueError, match=said) as error:
+            engine.generate(prompts_, new)
+        assert "\n" not in str(error.value)
+    two_blocks = 4 * kv_cache_elements_per_token(model) * 4  # fp32
+    small = Engine(model, two_blocks, dtype=torch.float32, block_size=4)
+    with pytest.raises(ValueError, match="holds 2 blocks, fewer than the 4 that prompt 0 of 5 tokens"):
+        small.generate([[1] * 5], 3)
+    with pytest.raises(ValueError, match="holds no block of 4 positions"):
+        Engine(model, 100, dtype=torch.float32, block_size=4)
