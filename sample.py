@@ -147,7 +147,8 @@ def main(argv=None):
                                 ("--compile", args.compile), ("--num_samples", args.num_samples > 1)):
                 if given:
                     raise ConfigError(f"--prompts samples each line of its file once: not with {flag}")
-            prompts = [encode_bytes(line, tok) for line in read_file(args.prompts, f"--prompts={args.prompts}").splitlines()]
+            lines = read_file(args.prompts, f"--prompts={args.prompts}").splitlines()
+            prompts = [encode_bytes(line, tok) for line in lines]
         dtype, why = ((getattr(torch, args.dtype), "--dtype") if args.dtype != "auto"
                       else decoding_dtype(ckpt.get("config", {}).get("dtype"), device))
     except ConfigError as e:

@@ -206,8 +206,10 @@ def bad_inputs(ckpt, tmp_path):
         ([ckpt, "--kv_quant=int8", "--no_cache"], "--kv_quant=int8 stores the KV cache: it cannot go with"),
         ([ckpt, f"--prompts={tmp_path}/missing.txt"], "--prompts=" + f"{tmp_path}/missing.txt: No such file"),
         ([ckpt, f"--prompts={two_prompts(tmp_path)}", "--num_samples=2"], "not with --num_samples"),
-        ([ckpt, f"--prompts={two_prompts(tmp_path)}", "--kv_budget=nan"], "must be a finite number of MiB > 0"),
-        ([ckpt, f"--prompts={two_prompts(tmp_path)}", "--kv_budget=0.0001"], "holds no block of 16 positions"),
+        ([ckpt, f"--prompts={two_prompts(tmp_path)}", "--kv_budget=nan"],
+         "must be a finite number of MiB > 0"),
+        ([ckpt, f"--prompts={two_prompts(tmp_path)}", "--kv_budget=0.0001"],
+         "holds no block of 16 positions"),
         ([ckpt, f"--prompts={two_prompts(tmp_path)}", "--max_new_tokens=100000"], "pass the context"),
     ]
 
