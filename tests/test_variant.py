@@ -196,6 +196,8 @@ def variant(request, monkeypatch):
     for cls, step, load in own:
         monkeypatch.setitem(decode.STEPS, cls, step)
         monkeypatch.setitem(convert.LOAD_HEAD_KV_WEIGHTS, cls, load)
+    # GQA's step pairs query head h with key head h G / H: the interleaved one decodes by the plain path
+    monkeypatch.setitem(decode.STEPS, InterleavedGroupedQueryAttention, None)
     for cls, maps in ((InterleavedGroupedQueryAttention, interleaved_head_kv_weights),
                       (LowRankKeyAttention, lrk_head_kv_weights),
                       (GroupedLowRankKVAttention, grouped_lrkv_head_kv_weights)):
