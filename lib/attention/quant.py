@@ -254,6 +254,7 @@ def held_order(x):
     return x.unsqueeze(1) if x.dim() == 3 else x
 
 
+@torch.compiler.disable  # inductor's lowering of the kernel refuses inputs it has not stored: run as it is
 def int8_matmul(a, codes, scale, dtype):
     """a (M, K) times int8 codes (N, K) with a scale per row (N,): a @ (codes * scale[:, None]).T, (M, N),
     the codes read by PyTorch's weight-only int8 kernel (gpt-fast's), never converted whole. In the step's
@@ -399,8 +400,9 @@ class Int4Codes(Codes):
         return (out + shift).to(p.dtype)
 
     def dot(self, x, start, stop):
-        """A key entry's: x . (c_t * s_g + m_g) over the whole groups that slots start..stop-1 span, x padded
-        to them (no slot gathered), the group being filled's slots from the residual."""
+        """A key entry's: x . (c_t * s_g + m_g), the codes of the whole groups that slots start..stop-1 span
+        converted with their group's scale and low (x padded to them: no slot gathered); then the slots of
+        the group being filled (at most Gs) again, from the residual."""
         if self.name not in KEYS:
             return super().dot(x, start, stop)
         residual = self.buffers[f"{self.name}.residual"]  # (B, Gs, *shape)
@@ -410,14 +412,18 @@ class Int4Codes(Codes):
         padded = padded.view(x.size(0), b - a, Gs, *x.shape[2:])  # (B, groups, Gs, *shape)
         codes = self.packed[:, a * Gs:b * Gs].view(x.size(0), b - a, Gs, *self.packed.shape[2:])
         codes = torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2)  # (B, groups, Gs, *shape) uint8
-        values = codes.to(x.dtype).mul_(self.scale[:, a:b].unsqueeze(2)).add_(self.low[:, a:b].unsqueeze(2))
+        values = torch.addcmul(self.low[:, a:b].unsqueeze(2), codes.to(x.dtype), self.scale[:, a:b].unsqueeze(2))
         out = padded.mul_(values).sum(-1).flatten(1, 2)[:, start - a * Gs:stop - a * Gs]  # (B, n, *shape[:-1])
         filling = self.buffers[f"{self.name}.filling"]
-        index = torch.arange(start, stop, device=x.device)
-        fresh = (index >= filling[0, 0]) & (index < filling[0, 0] + filling[0, 1])
-        within = (index - filling[0, 0]).clamp(0, Gs - 1)
-        from_residual = (x * residual[:, within].to(x.dtype)).sum(-1)
-        return torch.where(fresh.view(1, -1, *[1] * (out.dim() - 2)), from_residual, out)
+        first, filled = filling[0, 0], filling[0, 1]
+        place = torch.arange(Gs, device=x.device)
+        slots = (first + place - start).clamp(0, stop - start - 1)  # (Gs,): the residual's slots in x
+        fresh = (place < filled) & (first + place >= start) & (first + place < stop)
+        from_residual = (x[:, slots] * residual.to(x.dtype)).sum(-1)  # (B, Gs, *shape[:-1])
+        # a fresh slot's sum replaced by adding the difference: the others (clamped onto one slot) add 0
+        change = torch.where(fresh.view(1, Gs, *[1] * (out.dim() - 2)), from_residual - out[:, slots], 0)
+        return out.index_put((torch.arange(out.size(0), device=x.device)[:, None], slots[None]), change,
+                             accumulate=True)
 
     def key_scores(self, q):
         B, G, M, d = q.shape
