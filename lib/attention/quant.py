@@ -277,9 +277,10 @@ class Codes:
         weighted_sum(p): p (B, G, M, S) -> (B, G, M, d), sum_s p_{g,m,s} x_{s,g}
 
     and dot(x, start, stop), x (B, n, *shape) -> (B, n, *shape[:-1]): x . x_s over the last dim for the
-    slots start..stop-1. Here each by the dequantising read a chunk of slots at a time (values: load's
-    own dequantisation of the chunk), converted, used and dropped while in the processor's cache; the
-    storages' subclasses read the codes in a kernel where one fits."""
+    slots start..stop-1, which may take x in place (a chunk's own product). Here each by the dequantising
+    read a chunk of slots at a time (values: load's own dequantisation of the chunk), converted, used and
+    dropped while in the processor's cache; the storages' subclasses read the codes in a kernel where one
+    fits."""
 
     chunk_bytes = 2**20  # a chunk's dequantised values
 
@@ -401,25 +402,24 @@ class Int4Codes(Codes):
 
     def dot(self, x, start, stop):
         """A key entry's: x . (c_t * s_g + m_g), the codes of the whole groups that slots start..stop-1 span
-        converted with their group's scale and low (x padded to them: no slot gathered); then the slots of
-        the group being filled (at most Gs) again, from the residual."""
+        converted with their group's scale and low (no slot gathered), x taken in place (a chunk's own);
+        then the slots of the group being filled (at most Gs) again, from the residual."""
         if self.name not in KEYS:
             return super().dot(x, start, stop)
         residual = self.buffers[f"{self.name}.residual"]  # (B, Gs, *shape)
         Gs = residual.size(1)
-        a, b = start // Gs, -(-stop // Gs)  # the groups spanned
-        padded = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (start - a * Gs, b * Gs - stop))
-        padded = padded.view(x.size(0), b - a, Gs, *x.shape[2:])  # (B, groups, Gs, *shape)
-        codes = self.packed[:, a * Gs:b * Gs].view(x.size(0), b - a, Gs, *self.packed.shape[2:])
-        codes = torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2)  # (B, groups, Gs, *shape) uint8
-        values = torch.addcmul(self.low[:, a:b].unsqueeze(2), codes.to(x.dtype), self.scale[:, a:b].unsqueeze(2))
-        out = padded.mul_(values).sum(-1).flatten(1, 2)[:, start - a * Gs:stop - a * Gs]  # (B, n, *shape[:-1])
         filling = self.buffers[f"{self.name}.filling"]
         first, filled = filling[0, 0], filling[0, 1]
         place = torch.arange(Gs, device=x.device)
         slots = (first + place - start).clamp(0, stop - start - 1)  # (Gs,): the residual's slots in x
+        rows = x[:, slots]  # (B, Gs, *shape): before x is taken
+        a, b = start // Gs, -(-stop // Gs)  # the groups spanned
+        codes = self.packed[:, a * Gs:b * Gs].view(x.size(0), b - a, Gs, *self.packed.shape[2:])
+        codes = torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2)  # (B, groups, Gs, *shape) uint8
+        values = torch.addcmul(self.low[:, a:b].unsqueeze(2), codes.to(x.dtype), self.scale[:, a:b].unsqueeze(2))
+        out = x.mul_(values.flatten(1, 2)[:, start - a * Gs:stop - a * Gs]).sum(-1)  # (B, n, *shape[:-1])
         fresh = (place < filled) & (first + place >= start) & (first + place < stop)
-        from_residual = (x[:, slots] * residual.to(x.dtype)).sum(-1)  # (B, Gs, *shape[:-1])
+        from_residual = (rows * residual.to(x.dtype)).sum(-1)  # (B, Gs, *shape[:-1])
         # a fresh slot's sum replaced by adding the difference: the others (clamped onto one slot) add 0
         change = torch.where(fresh.view(1, Gs, *[1] * (out.dim() - 2)), from_residual - out[:, slots], 0)
         return out.index_put((torch.arange(out.size(0), device=x.device)[:, None], slots[None]), change,
