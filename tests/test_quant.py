@@ -145,8 +145,9 @@ def test_the_steps_that_read_codes_give_what_they_give_on_the_dequantised_entrie
     """At every step of a decode (with --cla=2 and windows, the exact and the fixed-shape path), a step of
     decode.CODE_STEPS handed the cache's codes (quant.Codes, its kernels: int8_matmul in fp32) gives what it
     gives on load's dequantised entries of the same slots, its plain equation (test_decode.py checks that
-    against reference_step): to fp32 rounding, or to bf16's in a cache of bf16."""
-    idx = torch.randint(0, TINY.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+    against reference_step): to fp32 rounding, or to bf16's in a cache of bf16. 32 positions: in bf16 the
+    kernel reads rows of a whole number of 16, the weighted sums' over every slot."""
+    idx = torch.randint(0, TINY.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     code_steps = {cls: step for cls, step in decode_module.STEPS.items() if step in decode_module.CODE_STEPS}
     for layout, knobs in LAYOUTS.items():
@@ -169,9 +170,9 @@ def test_the_steps_that_read_codes_give_what_they_give_on_the_dequantised_entrie
             monkeypatch.setattr(decode_module, "STEPS", {**decode_module.STEPS, **steps})
             monkeypatch.setattr(decode_module, "CODE_STEPS", set(steps.values()))
             with torch.no_grad():
-                model(idx[:, :12], cache=cache)
+                model(idx[:, :24], cache=cache)
                 view = {"exact": ExactKVCache, "fixed": FixedKVCache}[path](cache)
-                for t in range(12, idx.size(1)):
+                for t in range(24, idx.size(1)):
                     model(idx[:, t:t + 1], cache=view)
                     if path == "fixed":
                         view.pos += 1

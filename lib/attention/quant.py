@@ -257,15 +257,16 @@ def held_order(x):
 @torch.compiler.disable  # inductor's lowering of the kernel refuses inputs it has not stored: run as it is
 def int8_matmul(a, codes, scale, dtype):
     """a (M, K) times int8 codes (N, K) with a scale per row (N,): a @ (codes * scale[:, None]).T, (M, N),
-    the codes read by PyTorch's weight-only int8 kernel (gpt-fast's), never converted whole. In the step's
-    dtype where the kernel's vectors take it, bf16 or fp16 over a K of whole 16s (past them it reads beyond
-    the rows); else in fp32, its scalar loop, ten times slower; fp64 (the tests') written out, no kernel."""
-    if dtype == torch.float64:
-        return a.double() @ (codes.double() * scale.double()[:, None]).T
-    if dtype not in (torch.bfloat16, torch.float16) or codes.size(-1) % 16:
-        dtype = torch.float32
-    return torch.ops.aten._weight_int8pack_mm(a.to(dtype).contiguous(), codes.contiguous(),
-                                              scale.to(dtype).contiguous())
+    in bf16 or fp16 (dtype's) by PyTorch's weight-only int8 kernel (gpt-fast's), which converts the codes
+    inside its dot products, over a K of whole 16s (past them its vector loop reads beyond the rows).
+    Elsewhere its fp32 loop is five to ten times slower than converting 1 MB of rows at a time to fp32
+    (fp64 for an fp64 a, the tests') and multiplying them: that, the scale applied to the products."""
+    if dtype in (torch.bfloat16, torch.float16) and codes.size(-1) % 16 == 0:
+        return torch.ops.aten._weight_int8pack_mm(a.to(dtype).contiguous(), codes.contiguous(),
+                                                  scale.to(dtype).contiguous())
+    a, rows = wide(a.to(dtype)), max(1, 2**18 // codes.size(-1))
+    return torch.cat([(a @ codes[n:n + rows].to(a.dtype).T) * scale[n:n + rows].to(a.dtype)
+                      for n in range(0, codes.size(0), rows)], dim=-1)
 
 
 class Codes:
