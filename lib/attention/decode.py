@@ -15,8 +15,11 @@ position's cache entries, the new token's included; rope (S, rope_dim) their RoP
 S visible) or (1, S) bool, the positions the token may see. The step returns the attention output
 (B, 1, H, d_v), before W_o, and must equal reference_step, the plain equation, which the tests check at
 every step of a decode. A subclass inherits its parent's step (looked up along the MRO); a variant
-with no step (MHA, GQA, MQA: their cache holds the keys and values themselves) decodes by the plain
-path. A layer that reads another's keys (layout.py) runs the step of their owner, which wrote them.
+with no step decodes by the plain path. MHA's, GQA's and MQA's step is the plain path's attention over
+their cached keys and values. A layer that reads another's keys (layout.py) runs the step of their
+owner, which wrote them. The steps of CODE_STEPS take a quantised cache's entries as their codes
+(quant.Codes: its own products over them, never a dequantised copy of the cache); the others take
+load's dequantised entries.
 
 Two caches run the steps, each a view over a ring.RingKVCache (any layout, any storage: quant.py) whose
 write and read it uses, so that both see the buffers and positions the cache holds: ExactKVCache

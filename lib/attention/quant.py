@@ -20,6 +20,11 @@ yet full held in full precision in a residual until it fills; every other entry 
 Quantising uses the scale as stored (rounded to the cache's dtype), so that load gives exactly
 q s + m, the values a plain cache would hold had it been given them: decoding from a quantised cache
 is the plain model's on those values (tests/test_quant.py checks every path against that).
+
+A step of decode.CODE_STEPS (MHA's, GQA's, MQA's, LRKV's, MLA's) reads an entry through Codes (the end
+of this file): its scores and weighted sums over the codes as they lie, each scale moved onto the
+scores, the weights or the query, the codes read by PyTorch's weight-only int8 kernel or converted a
+chunk at a time in the processor's cache; never a dequantised copy of the whole cache per step.
 """
 
 import functools
@@ -133,16 +138,18 @@ class Int8KVCache(QuantisedKVCache):
 
 def int4_codes(x, low, scale):
     """Asymmetric 4-bit codes of x in [0, 15] for the stored low m and scale s, fp32, packed two to a byte
-    along the last dim (even): the first of a pair in the low 4 bits."""
+    along the last dim (even, d): channel i in the low 4 bits of byte i, channel d/2 + i in its high 4, so
+    that each half's codes are one mask or shift of the bytes, in order (Int4Codes' reads)."""
     q = torch.round((x - wide(low)) / wide(scale).clamp(min=torch.finfo(torch.float32).tiny)).clamp(0, 15)
     q = q.to(torch.uint8)
-    return q[..., 0::2] | (q[..., 1::2] << 4)
+    low_half, high_half = q.chunk(2, dim=-1)
+    return low_half | (high_half << 4)
 
 
 def int4_values(packed, low, scale):
     """What int4_codes packed stands for, q s + m, fp32 (..., 2 * packed's last dim)."""
     scale = wide(scale)
-    q = torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2).to(scale.dtype)
+    q = torch.cat((packed & 15, packed >> 4), dim=-1).to(scale.dtype)
     return q * scale + wide(low)
 
 
@@ -350,9 +357,9 @@ class Int8Codes(Codes):
 
 
 class Int4Codes(Codes):
-    """Int4KVCache's codes, two a byte (the first of a pair in the low 4 bits). An entry held per token
+    """Int4KVCache's codes, two a byte (channels i and d/2 + i: int4_codes). An entry held per token
     is x_t = c_t s_t + m_t, so q . x_t = s_t (q . c_t) + m_t sum(q) and sum_t p_t x_t = (p * s) . C + p . m:
-    the even and the odd channels' codes, each one mask or shift of the packed bytes (int8, 0..15), go
+    the first and the second half's codes, each one mask or shift of the packed bytes (int8, 0..15), go
     into int8_matmul. A key entry, per channel over slot groups (KIVI), is x_t = c_t * s_g + m_g for the
     group g of slot t, so q . x_t = (q * s_g) . c_t + q . m_g: the scales move into the query, a group at a
     time, over a chunk of groups' codes converted in the processor's cache; the slots of the group being
@@ -377,10 +384,11 @@ class Int4Codes(Codes):
         out = torch.empty(B, G, M, self.S, dtype=wide(q).dtype, device=q.device)
         for b, g in itertools.product(range(B), range(G)):
             codes = packed[b, :self.S, g]  # (S, d/2)
-            even, odd = (codes & 15).view(torch.int8), (codes >> 4).view(torch.int8)
+            first, second = (codes & 15).view(torch.int8), (codes >> 4).view(torch.int8)  # the halves
             qb = q[b, g]
-            out[b, g] = (int8_matmul(qb[:, 0::2], even, scale[b, :, g], q.dtype)
-                        + int8_matmul(qb[:, 1::2], odd, scale[b, :, g], q.dtype)
+            h = first.size(-1)
+            out[b, g] = (int8_matmul(qb[:, :h], first, scale[b, :, g], q.dtype)
+                         + int8_matmul(qb[:, h:], second, scale[b, :, g], q.dtype)
                          + wide(qb).sum(-1, keepdim=True) * low[b, :, g])
         return out.to(q.dtype)
 
@@ -397,8 +405,9 @@ class Int4Codes(Codes):
         out = torch.empty(B, G, M, 2 * packed.size(2), dtype=weights.dtype, device=p.device)
         for b, g in itertools.product(range(B), range(G)):
             codes = packed[b, g]  # (d/2, L)
-            out[b, g, :, 0::2] = int8_matmul(weights[b, g], (codes & 15).view(torch.int8), ones, p.dtype)
-            out[b, g, :, 1::2] = int8_matmul(weights[b, g], (codes >> 4).view(torch.int8), ones, p.dtype)
+            h = codes.size(0)
+            out[b, g, :, :h] = int8_matmul(weights[b, g], (codes & 15).view(torch.int8), ones, p.dtype)
+            out[b, g, :, h:] = int8_matmul(weights[b, g], (codes >> 4).view(torch.int8), ones, p.dtype)
         return (out + shift).to(p.dtype)
 
     def dot(self, x, start, stop):
@@ -416,7 +425,7 @@ class Int4Codes(Codes):
         rows = x[:, slots]  # (B, Gs, *shape): before x is taken
         a, b = start // Gs, -(-stop // Gs)  # the groups spanned
         codes = self.packed[:, a * Gs:b * Gs].view(x.size(0), b - a, Gs, *self.packed.shape[2:])
-        codes = torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2)  # (B, groups, Gs, *shape) uint8
+        codes = torch.cat((codes & 15, codes >> 4), dim=-1)  # (B, groups, Gs, *shape) uint8
         values = torch.addcmul(self.low[:, a:b].unsqueeze(2), codes.to(x.dtype), self.scale[:, a:b].unsqueeze(2))
         out = x.mul_(values.flatten(1, 2)[:, start - a * Gs:stop - a * Gs]).sum(-1)  # (B, n, *shape[:-1])
         fresh = (place < filled) & (first + place >= start) & (first + place < stop)
@@ -439,9 +448,10 @@ class Int4Codes(Codes):
         for a in range(0, n, per):
             b = min(n, a + per)
             codes = packed[:, :, a * Gs:b * Gs].reshape(B, G, b - a, Gs, d // 2)
-            even, odd = (codes & 15).to(q.dtype), (codes >> 4).to(q.dtype)
+            first, second = (codes & 15).to(q.dtype), (codes >> 4).to(q.dtype)  # the halves' codes
             qs = q_scaled[:, :, a:b]
-            s = qs[..., 0::2] @ even.transpose(-1, -2) + qs[..., 1::2] @ odd.transpose(-1, -2)  # (B, G, k, M, Gs)
+            h = first.size(-1)
+            s = qs[..., :h] @ first.transpose(-1, -2) + qs[..., h:] @ second.transpose(-1, -2)  # (B, G, k, M, Gs)
             out.append((s + q_low[:, :, a:b].to(q.dtype)).transpose(2, 3).flatten(-2))  # (B, G, M, k Gs)
         scores = torch.cat(out, dim=-1)[..., :self.S]
         filling = self.buffers[f"{self.name}.filling"]
