@@ -141,7 +141,8 @@ def test_every_path_decodes_a_quantised_cache_as_the_plain_path_does(attn, cls):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cls", [Int8KVCache, Int4Groups4], ids=["int8", "int4"])
 @pytest.mark.parametrize("attn", ["mha", "gqa", "mqa", "lrkv", "mla"])
-def test_the_steps_that_read_codes_give_what_they_give_on_the_dequantised_entries(attn, cls, dtype, monkeypatch):
+def test_the_steps_that_read_codes_give_what_they_give_on_the_dequantised_entries(attn, cls, dtype,
+                                                                                   monkeypatch):
     """At every step of a decode (with --cla=2 and windows, the exact and the fixed-shape path), a step of
     decode.CODE_STEPS handed the cache's codes (quant.Codes, its kernels: int8_matmul in fp32) gives what it
     gives on load's dequantised entries of the same slots, its plain equation (test_decode.py checks that

@@ -284,8 +284,8 @@ def bench_decode(configs, preset, device, dtype, compiled, measured=lambda rows:
             ms = 1000 * statistics.median(back_to_back)
             mib = sum(buf.nbytes for layer in cache.cache.layers for buf in layer.values()) / MIB
             compiled_ms, compile_s = fixed.get((attn, storage), (None, None))
-            rows[attn].append(dict(batch_size=B, context=L, kv_quant=storage, read=read(models[attn], storage),
-                                   ms_per_token=ms,
+            rows[attn].append(dict(batch_size=B, context=L, kv_quant=storage,
+                                   read=read(models[attn], storage), ms_per_token=ms,
                                    tokens_per_s=B * 1000 / ms,
                                    step_alone_ms_per_token=1000 * statistics.median(alone), cache_mib=mib,
                                    compiled_ms_per_token=compiled_ms, compile_s=compile_s))

@@ -198,7 +198,8 @@ def key_scores(attn, q, k_shared, r_k, rho, rope):
     M = M.permute(0, 2, 1, 3).reshape(N, d_h, H * r)  # (N, d_h, H r): rope[s] @ M[n], every B_h^T Rot_s^T q_h
     residual_term = _residual_key_scores(rope.to(q.dtype), M, r_k)  # (N, S, H)
     if torch.is_tensor(k_shared):
-        scores = torch.baddbmm(residual_term.transpose(1, 2), q, k_shared.transpose(1, 2))  # (N, H, S): + MQA's
+        # (N, H, S): + MQA's
+        scores = torch.baddbmm(residual_term.transpose(1, 2), q, k_shared.transpose(1, 2))
     else:  # a quantised cache's codes (quant.Codes), read as they are
         scores = residual_term.transpose(1, 2) + k_shared.scores(q.unsqueeze(1)).squeeze(1)
     return scores / rho.transpose(1, 2)

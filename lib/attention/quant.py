@@ -28,8 +28,8 @@ chunk at a time in the processor's cache; never a dequantised copy of the whole 
 """
 
 import functools
-import math
 import itertools
+import math
 
 import torch
 
@@ -336,7 +336,8 @@ class Int8Codes(Codes):
     def scores(self, q):
         if self.name in POSITION_LAST:
             return super().scores(q)
-        codes, scale = grouped(self.codes), self.scale.reshape(*self.codes.shape[:2], -1)  # (B, S, G, d), (B, S, G)
+        codes = grouped(self.codes)  # (B, S, G, d)
+        scale = self.scale.reshape(*codes.shape[:3])  # (B, S, G)
         return torch.stack([torch.stack([int8_matmul(q[b, g], codes[b, :, g], scale[b, :, g], q.dtype)
                                          for g in range(q.size(1))]) for b in range(q.size(0))]).to(q.dtype)
 
@@ -349,8 +350,8 @@ class Int8Codes(Codes):
         # over all L slots held, those past S weighted 0: a kernel reads its rows whole
         weights = torch.nn.functional.pad(wide(weights), (0, codes.size(-1) - S))
         ones = torch.ones(codes.size(2), dtype=weights.dtype, device=p.device)
-        return torch.stack([torch.stack([int8_matmul(weights[b, g], codes[b, g], ones, p.dtype) for g in range(G)])
-                            for b in range(B)]).to(p.dtype)
+        return torch.stack([torch.stack([int8_matmul(weights[b, g], codes[b, g], ones, p.dtype)
+                                         for g in range(G)]) for b in range(B)]).to(p.dtype)
 
     def dot(self, x, start, stop):  # x . (s_t c_t) = s_t (x . c_t); x, a chunk's own, taken in place
         return x.mul_(self.codes[:, start:stop]).sum(-1) * self.scale[:, start:stop]
@@ -393,7 +394,7 @@ class Int4Codes(Codes):
         return out.to(q.dtype)
 
     def weighted_sum(self, p):
-        if self.name not in POSITION_LAST or self.name in KEYS:
+        if self.name not in POSITION_LAST:
             return super().weighted_sum(p)
         B, G, M, S = p.shape
         packed = held_order(self.packed)  # (B, G, d/2, L)
@@ -426,7 +427,8 @@ class Int4Codes(Codes):
         a, b = start // Gs, -(-stop // Gs)  # the groups spanned
         codes = self.packed[:, a * Gs:b * Gs].view(x.size(0), b - a, Gs, *self.packed.shape[2:])
         codes = torch.cat((codes & 15, codes >> 4), dim=-1)  # (B, groups, Gs, *shape) uint8
-        values = torch.addcmul(self.low[:, a:b].unsqueeze(2), codes.to(x.dtype), self.scale[:, a:b].unsqueeze(2))
+        low, scale = self.low[:, a:b].unsqueeze(2), self.scale[:, a:b].unsqueeze(2)  # (B, groups, 1, *shape)
+        values = torch.addcmul(low, codes.to(x.dtype), scale)
         out = x.mul_(values.flatten(1, 2)[:, start - a * Gs:stop - a * Gs]).sum(-1)  # (B, n, *shape[:-1])
         fresh = (place < filled) & (first + place >= start) & (first + place < stop)
         from_residual = (rows * residual.to(x.dtype)).sum(-1)  # (B, Gs, *shape[:-1])
@@ -451,7 +453,8 @@ class Int4Codes(Codes):
             first, second = (codes & 15).to(q.dtype), (codes >> 4).to(q.dtype)  # the halves' codes
             qs = q_scaled[:, :, a:b]
             h = first.size(-1)
-            s = qs[..., :h] @ first.transpose(-1, -2) + qs[..., h:] @ second.transpose(-1, -2)  # (B, G, k, M, Gs)
+            # (B, G, k, M, Gs): each group's slots by its scaled query
+            s = qs[..., :h] @ first.transpose(-1, -2) + qs[..., h:] @ second.transpose(-1, -2)
             out.append((s + q_low[:, :, a:b].to(q.dtype)).transpose(2, 3).flatten(-2))  # (B, G, M, k Gs)
         scores = torch.cat(out, dim=-1)[..., :self.S]
         filling = self.buffers[f"{self.name}.filling"]
