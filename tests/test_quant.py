@@ -11,6 +11,7 @@ import torch
 
 import train
 
+from lib.attention import decode as decode_module
 from lib.attention.decode import ExactKVCache, FixedKVCache
 from lib.attention.quant import CACHES, KEYS, Int4KVCache, Int8KVCache, cache_class
 from lib.attention.ring import RingKVCache
@@ -104,10 +105,10 @@ def test_int4_stores_values_per_token_and_keys_per_channel_over_groups_as_they_f
         assert torch.equal(cache.load(0, last)["r_v"], int4_reference(x, (-2, -1), torch.bfloat16))
 
 
-def decode(model, idx, prefix, cls, path):
-    """idx's logits from position prefix on, through a cache of cls: a prefill, then each token by the
-    plain cached path, an exact view or a fixed-shape view over the same cache."""
-    cache = model.new_cache(idx.size(0), idx.size(1), torch.float32, cache_class=cls)
+def decode(model, idx, prefix, cls, path, dtype=torch.float64):
+    """idx's logits from position prefix on, through a cache of cls in dtype: a prefill, then each token by
+    the plain cached path, an exact view or a fixed-shape view over the same cache."""
+    cache = model.new_cache(idx.size(0), idx.size(1), dtype, cache_class=cls)
     logits = [model(idx[:, :prefix], cache=cache)[0]]
     cache = {"plain": lambda cache: cache, "exact": ExactKVCache, "fixed": FixedKVCache}[path](cache)
     for t in range(prefix, idx.size(1)):
@@ -120,19 +121,64 @@ def decode(model, idx, prefix, cls, path):
 @pytest.mark.parametrize("cls", [Int8KVCache, Int4Groups4, Float16KVCache], ids=["int8", "int4", "fp16"])
 @pytest.mark.parametrize("attn", VARIANTS)
 def test_every_path_decodes_a_quantised_cache_as_the_plain_path_does(attn, cls):
-    """On the entries a quantised cache holds, the exact steps and the fixed-shape step give the plain
-    path's logits (keys and values rebuilt from the dequantised entries, attended plainly), to fp32
-    rounding; and the quantised cache is not the unquantised one (the test sees quantisation). A storage
-    of one method (Float16KVCache) holds for every variant, layout and path as well."""
+    """On the entries a quantised cache holds, the exact steps and the fixed-shape step (those of MHA, GQA,
+    MQA, LRKV and MLA reading the codes themselves) give the plain path's logits (keys and values rebuilt
+    from the dequantised entries, attended plainly), to fp64 rounding: in fp32, a path's rounding may move
+    a later layer's entry across a code's boundary (the next test compares the reads on the same codes);
+    and the quantised cache is not the unquantised one (the test sees quantisation). A storage of one
+    method (Float16KVCache) holds for every variant, layout and path as well."""
     idx = torch.randint(0, TINY.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
     for layout, knobs in LAYOUTS.items():
-        model = tiny_model(attn, n_layer=4, **knobs)
+        model = tiny_model(attn, n_layer=4, **knobs).double()
         with torch.no_grad():
             plain = decode(model, idx, 12, cls, "plain")
             for path in ("exact", "fixed"):
-                torch.testing.assert_close(decode(model, idx, 12, cls, path), plain, atol=1e-4, rtol=1e-4,
+                torch.testing.assert_close(decode(model, idx, 12, cls, path), plain, atol=1e-6, rtol=1e-6,
                                            msg=f"{layout} {path}")
             assert not torch.allclose(plain, model(idx)[0], atol=1e-6, rtol=0), layout
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cls", [Int8KVCache, Int4Groups4], ids=["int8", "int4"])
+@pytest.mark.parametrize("attn", ["mha", "gqa", "mqa", "lrkv", "mla"])
+def test_the_steps_that_read_codes_give_what_they_give_on_the_dequantised_entries(attn, cls, dtype,
+                                                                                   monkeypatch):
+    """At every step of a decode (with --cla=2 and windows, the exact and the fixed-shape path), a step of
+    decode.CODE_STEPS handed the cache's codes (quant.Codes, its kernels: int8_matmul in fp32) gives what it
+    gives on load's dequantised entries of the same slots, its plain equation (test_decode.py checks that
+    against reference_step): to fp32 rounding, or to bf16's in a cache of bf16 (without a layout: the
+    layouts change which slots are read, not how). 32 positions: in bf16 the kernel reads rows of a whole
+    number of 16, the weighted sums' over every slot."""
+    idx = torch.randint(0, TINY.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    code_steps = {cls: step for cls, step in decode_module.STEPS.items() if step in decode_module.CODE_STEPS}
+    for layout, knobs in (LAYOUTS if dtype == torch.float32 else {"plain": {}}).items():
+        model = tiny_model(attn, n_layer=4, **knobs).to(dtype)
+        for path in ("exact", "fixed"):
+            read = []
+            cache = model.new_cache(idx.size(0), idx.size(1), dtype, cache_class=cls)
+
+            def both(step):
+                def checked(attn, q, cached, rope, mask):
+                    got = step(attn, q, cached, rope, mask)
+                    read.append(sum(not torch.is_tensor(x) for x in cached.values()))
+                    expected = step(attn, q, cache.load(attn.layer, slice(0, rope.size(0))), rope, mask)
+                    torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance,
+                                               msg=f"{layout} {path}")
+                    return got
+                return checked
+
+            steps = {cls: both(step) for cls, step in code_steps.items()}
+            monkeypatch.setattr(decode_module, "STEPS", {**decode_module.STEPS, **steps})
+            monkeypatch.setattr(decode_module, "CODE_STEPS", set(steps.values()))
+            with torch.no_grad():
+                model(idx[:, :24], cache=cache)
+                view = {"exact": ExactKVCache, "fixed": FixedKVCache}[path](cache)
+                for t in range(24, idx.size(1)):
+                    model(idx[:, t:t + 1], cache=view)
+                    if path == "fixed":
+                        view.pos += 1
+            assert len(read) == 8 * 4 and min(read) > 0, (layout, path, read)  # every layer, on codes
 
 
 @pytest.mark.parametrize("attn", ["mha", "lrkv"])

@@ -64,7 +64,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lib.training.checkpoint import check_writable
 from lib.training.configurator import ArgumentParser, ConfigError, run_main
-from lib.attention.decode import ExactKVCache, FixedKVCache, compiled_step, exact_step, generate
+from lib.attention.decode import (CODE_STEPS, ExactKVCache, FixedKVCache, compiled_step, exact_step, generate,
+                                  registered_step)
 from lib.attention.quant import CACHES, cache_class
 from lib.training.hardware import DEVICES, PRECISION_NAMES, USES, peak_flops, pick_device, precision
 from model import GPT, GPTConfig, VARIANTS
@@ -290,7 +291,8 @@ def bench_decode(configs, preset, device, dtype, compiled, measured=lambda rows:
             ms = 1000 * statistics.median(back_to_back)
             mib = sum(buf.nbytes for layer in cache.cache.layers for buf in layer.values()) / MIB
             compiled_ms, compile_s = fixed.get((attn, storage), (None, None))
-            rows[attn].append(dict(batch_size=B, context=L, kv_quant=storage, ms_per_token=ms,
+            rows[attn].append(dict(batch_size=B, context=L, kv_quant=storage,
+                                   read=read(models[attn], storage), ms_per_token=ms,
                                    tokens_per_s=B * 1000 / ms,
                                    step_alone_ms_per_token=1000 * statistics.median(alone), cache_mib=mib,
                                    compiled_ms_per_token=compiled_ms, compile_s=compile_s))
@@ -316,6 +318,15 @@ def bench_decode(configs, preset, device, dtype, compiled, measured=lambda rows:
                                         cached_ms_per_token=cached, cached_ms_per_step=step,
                                         uncached_ms_per_token=uncached, speedup=uncached / cached)
     return result
+
+
+def read(model, storage):
+    """How a decoding step reads a quantised storage: "codes" where the variant's step is one of
+    decode.CODE_STEPS (quant.Codes: the products over the codes), "dequantised" where it takes load's
+    full-precision copy of the cache; None for the plain storage."""
+    if storage == "none":
+        return None
+    return "codes" if registered_step(model.blocks[0].attn) in CODE_STEPS else "dequantised"
 
 
 def fill_randomly(model, cache, prompt):
@@ -444,7 +455,7 @@ def markdown(result):
                 compiled = "-" if d["compiled_ms_per_token"] is None else f"{d['compiled_ms_per_token']:.2f}"
                 x_compiled = "-" if d["compiled_x_mha"] is None else f"{d['compiled_x_mha']:.2f}"
                 compile_s = "-" if d["compile_s"] is None else f"{d['compile_s']:.1f}"
-                storage = de["dtype"] if d["kv_quant"] == "none" else d["kv_quant"]
+                storage = de["dtype"] if d["kv_quant"] == "none" else f"{d['kv_quant']}, {d['read']}"
                 lines.append(f"| {name} | {d['batch_size']} | {d['context']} | {storage} | "
                              f"{d['ms_per_token']:.2f} | "
                              f"{d['tokens_per_s']:,.0f} | {d['step_alone_ms_per_token']:.2f} | {compiled} | "

@@ -17,10 +17,12 @@ S visible) or (1, S) bool, the positions the token may see. The step returns the
 every step of a decode. A subclass inherits its parent's step (looked up along the MRO) while it attends
 and rebuilds keys as that parent does (the same attend and cached_keys_values): a class with an attend
 of its own decodes through that attend unless it registers a step of its own. A variant with no step
-(MHA, GQA, MQA: their cache holds the keys and values themselves) decodes by the plain path. A layer
-that reads another's keys (layout.py) runs its own class's step over the entries its owner wrote,
-with the owner's weights, which made them; where its attend reads weights of the reader's own
-(attend_weights, which the owner's copy of would differ), through its own attend instead.
+decodes by the plain path. MHA's, GQA's and MQA's step is the plain equation over their cached keys and
+values. A layer that reads another's keys (layout.py) runs its own class's step over the entries its
+owner wrote, with the owner's weights, which made them; where its attend reads weights of the reader's
+own (attend_weights, which the owner's copy of would differ), through its own attend instead. The steps
+of CODE_STEPS take a quantised cache's entries as their codes (quant.Codes: its own products over them,
+never a dequantised copy of the cache); the others take load's dequantised entries.
 
 Two caches run the steps, each a view over a ring.RingKVCache (any layout, any storage: quant.py) whose
 write and read it uses, so that both see the buffers and positions the cache holds: ExactKVCache
@@ -35,7 +37,7 @@ import torch
 
 from lib.attention import rivals
 from lib.attention.ring import RingKVCache, masked_softmax, slot_positions, visible
-from model import Attention, LowRankKVAttention, MultiHeadLatentAttention, sample
+from model import Attention, GroupedQueryAttention, LowRankKVAttention, MultiHeadLatentAttention, sample
 
 
 # -----------------------------------------------------------------------------
@@ -149,6 +151,27 @@ def reference_step(attn, q, cached, rope, mask, reader=None):
 
 
 # -----------------------------------------------------------------------------
+# MHA, GQA, MQA: the cached keys and values themselves
+
+def gqa_step(attn, q, cached, rope, mask):
+    """Over a plain cache, the plain equation: where nothing is masked, the plain path's attention (the
+    class's attend, SDPA), else reference_step's (training's softmax written out for one query); over a
+    quantised cache's codes (quant.Codes), their own reads: the scores q_h . k_{g,s} and the weighted sum
+    of the values, query head h reading head g = h G / H, each as the codes lie."""
+    k, v = cached["k"], cached["v"]
+    if torch.is_tensor(k):
+        if mask is None:
+            return attn.attend(q, *attn.cached_keys_values(rope, **cached))
+        return reference_step(attn, q, cached, rope, mask)
+    B, _, H, d = q.shape
+    G = k.shape[2]
+    q = q[:, 0].view(B, G, H // G, d)  # query head g H/G + j reads key/value head g
+    scores = k.scores(q).view(B, H, -1) / math.sqrt(d)  # (B, H, S)
+    a = masked_softmax(scores, mask, q.dtype).view(B, G, H // G, -1)
+    return v.weighted_sum(a).view(B, 1, H, -1)
+
+
+# -----------------------------------------------------------------------------
 # LRKV: eq. 6 made exact under RoPE, and eq. 7
 
 def lrkv_step(attn, q, cached, rope, mask):
@@ -202,7 +225,11 @@ def key_scores(attn, q, k_shared, r_k, rho, rope):
     M = torch.cat((M_cos, M_sin), dim=2)  # (N, H, d_h, r): row j goes with column j of rope, [cos | sin]
     M = M.permute(0, 2, 1, 3).reshape(N, d_h, H * r)  # (N, d_h, H r): rope[s] @ M[n], every B_h^T Rot_s^T q_h
     residual_term = _residual_key_scores(rope.to(q.dtype), M, r_k)  # (N, S, H)
-    scores = torch.baddbmm(residual_term.transpose(1, 2), q, k_shared.transpose(1, 2))  # (N, H, S): + MQA's
+    if torch.is_tensor(k_shared):
+        # (N, H, S): + MQA's
+        scores = torch.baddbmm(residual_term.transpose(1, 2), q, k_shared.transpose(1, 2))
+    else:  # a quantised cache's codes (quant.Codes), read as they are
+        scores = residual_term.transpose(1, 2) + k_shared.scores(q.unsqueeze(1)).squeeze(1)
     return scores / rho.transpose(1, 2)
 
 
@@ -211,10 +238,14 @@ def _residual_key_scores(rope, M, r_k):
     from the RoPE rows rope (S, d_h), M (N, d_h, H r) and r_k (N, S, H, r), a chunk of positions
     at a time. All at once, rope @ M[n] would be an (N, S, H, r) tensor as large as r_k, written
     to memory and read back; a chunk's stays in the processor's cache between the GEMM and the
-    dot product with r_k (docs/decoding.md: the roofline and the chunk sizes)."""
+    dot product with r_k (docs/decoding.md: the roofline and the chunk sizes). r_k may be a quantised
+    cache's codes (quant.Codes), whose dot reads a chunk's codes."""
     N, S, H, r = r_k.shape
-    chunk_bytes = 2**25 if r_k.is_cuda else 2**22
-    chunk = max(1, chunk_bytes // (N * H * r * r_k.element_size()))
+    chunk_bytes = 2**25 if M.is_cuda else 2**22
+    chunk = max(1, chunk_bytes // (N * H * r * M.element_size()))
+    if not torch.is_tensor(r_k):
+        return torch.cat([r_k.dot((rope[s:s + chunk] @ M).view(N, -1, H, r), s, min(s + chunk, S))
+                          for s in range(0, S, chunk)], dim=1)
     # the dot product over r in place in the GEMM's fresh result: no second chunk-sized tensor
     return torch.cat([(rope[s:s + chunk] @ M).view(N, -1, H, r).mul_(r_k[:, s:s + chunk]).sum(-1)
                       for s in range(0, S, chunk)], dim=1)
@@ -235,6 +266,9 @@ def attend_values(attn, a, v_shared, r_v):
     computed whole for it. The GEMM does H times the work but reads r_v once, in its own layout, where
     the einsum would first copy all of r_v per head (docs/decoding.md measures both)."""
     N, H, _ = a.shape
+    if not torch.is_tensor(v_shared):  # a quantised cache's codes (quant.Codes): each head's a_h by its R_h^V
+        y_res = r_v.weighted_sum(a.unsqueeze(2)).transpose(1, 2)  # (N, 1, H, r)
+        return v_shared.weighted_sum(a.unsqueeze(1)) + attn.residual(y_res, attn.B_v)
     y_shared = (a @ v_shared).unsqueeze(1)  # (N, 1, H, d_h)
     y_all = (a @ r_v.flatten(2)).view(N, H, H, attn.lrkv_rank)  # (N, H, H, r): each head's a by each R_h'^V
     heads = torch.arange(H, device=a.device)
@@ -276,10 +310,14 @@ def latent_attention(attn, q, c, k_rope, rho, mask):
     q_nope, q_rope = q[:, 0].split((d_h, attn.rope_dim), dim=-1)  # (B, H, d_h), (B, H, d_R)
     W_up_k = attn.W_up_k.weight.view(H, d_h, attn.kv_lora_rank)
     q_latent = (q_nope.unsqueeze(2) @ W_up_k).squeeze(2)  # (B, H, d_c)
-    rope_term = q_rope @ k_rope[:, :, 0].transpose(1, 2)  # (B, H, S)
-    scores = torch.baddbmm(rope_term, q_latent, c.transpose(1, 2))  # (B, H, S)
+    if torch.is_tensor(c):
+        rope_term = q_rope @ k_rope[:, :, 0].transpose(1, 2)  # (B, H, S)
+        scores = torch.baddbmm(rope_term, q_latent, c.transpose(1, 2))  # (B, H, S)
+    else:  # a quantised cache's codes (quant.Codes), read as they are
+        scores = (k_rope.scores(q_rope.unsqueeze(1)) + c.scores(q_latent.unsqueeze(1))).squeeze(1)
     scores = scores / (rho.transpose(1, 2) * math.sqrt(attn.qk_dim))
-    return (masked_softmax(scores, mask, q.dtype) @ c).unsqueeze(1)
+    a = masked_softmax(scores, mask, q.dtype)  # (B, H, S)
+    return (a @ c).unsqueeze(1) if torch.is_tensor(c) else c.weighted_sum(a.unsqueeze(1))
 
 
 # -----------------------------------------------------------------------------
@@ -317,7 +355,7 @@ class ExactKVCache:
         if step is None or q.size(1) > 1:
             return cache.attend(attn, q, x, rope)
         cache.write(attn, x, rope)
-        source, entries, rope, mask = cache.read(attn, 1)
+        source, entries, rope, mask = cache.read(attn, 1, codes=step in CODE_STEPS)
         return step(source, q, entries, rope, mask)
 
 
@@ -355,10 +393,11 @@ class FixedKVCache:
         if owner == attn.layer:
             cache.store(owner, self.pos % length, attn.cache_entries(x, rope))
         positions = slot_positions(length, self.pos + 1, self.pos.device)  # (length,), negative: empty
-        source, entries = cache.sources[owner], cache.load(owner, slice(None))
+        source = cache.sources[owner]
+        step = step_for(attn, source)
+        entries = (cache.load_codes if step in CODE_STEPS else cache.load)(owner, slice(None))
         mask = visible(self.pos, positions, cache.windows[attn.layer])  # (1, length)
         rope = cache.rope[positions.clamp(min=0)]
-        step = step_for(attn, source)
         if step is None:
             return reference_step(source, q, entries, rope, mask, reader=attn)
         return step(source, q, entries, rope, mask)
@@ -408,6 +447,7 @@ def compiled_decode(model, token, cache):
 # class). A subclass inherits its parent's step; an entry of None gives a class the plain cached path.
 
 STEPS = {
+    GroupedQueryAttention: gqa_step,
     LowRankKVAttention: lrkv_step,
     MultiHeadLatentAttention: mla_step,
     rivals.GroupedTiedAttention: rivals.gta_step,
@@ -415,3 +455,6 @@ STEPS = {
     rivals.MultiHeadLowRankAttention: rivals.mlra_step,
     rivals.TensorProductAttention: rivals.tpa_step,
 }
+# The steps that take a quantised cache's entries as its codes (quant.Codes, ring.RingKVCache.load_codes);
+# every other reads them dequantised (load)
+CODE_STEPS = {gqa_step, lrkv_step, mla_step}

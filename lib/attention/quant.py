@@ -20,9 +20,16 @@ yet full held in full precision in a residual until it fills; every other entry 
 Quantising uses the scale as stored (rounded to the cache's dtype), so that load gives exactly
 q s + m, the values a plain cache would hold had it been given them: decoding from a quantised cache
 is the plain model's on those values (tests/test_quant.py checks every path against that).
+
+A step of decode.CODE_STEPS (MHA's, GQA's, MQA's, LRKV's, MLA's) reads an entry through Codes (the end
+of this file): its scores and weighted sums over the codes as they lie, each scale moved onto the
+scores, the weights or the query, the codes read by PyTorch's weight-only int8 kernel or converted a
+chunk at a time in the processor's cache; never a dequantised copy of the whole cache per step.
 """
 
 import functools
+import itertools
+import math
 
 import torch
 
@@ -34,10 +41,39 @@ KEPT = ("rho",)  # entries stored as they are, in the cache's dtype (above)
 KEYS = ("k", "k_shared", "r_k", "k_rope", "a_k", "b_k")
 
 
+# How the codes lie in memory, for the kernels of the fast reads (below); the bytes are the same. An entry
+# of HEAD_MAJOR, (B, L, G, d) to its readers, is held (B, G, L, d): a head's keys contiguous, rows of a
+# scores GEMM; one of POSITION_LAST, (B, L, *rows, d), is held (B, *rows, d, L): a channel's positions
+# contiguous, rows of a weighted sum's GEMM. Either is a view of the other: store and load index it as
+# they would the plain layout.
+HEAD_MAJOR = ("k",)
+POSITION_LAST = ("v", "v_shared", "r_v")
+
+
+def laid_out(name, size, dtype, device):
+    """A zero buffer of logical size (B, L, *shape), held in the order above for name."""
+    n = len(size)
+    if name in POSITION_LAST:
+        order = (0, *range(2, n), 1)
+    elif name in HEAD_MAJOR and n == 4:
+        order = (0, 2, 1, 3)
+    else:
+        return torch.zeros(size, dtype=dtype, device=device)
+    held = torch.zeros([size[i] for i in order], dtype=dtype, device=device)
+    return held.permute([order.index(i) for i in range(n)])  # (B, L, *shape) again
+
+
+def wide(x):
+    """x in fp32, the quantisers' arithmetic; in fp64 where it is already (a cache in fp64: the tests'
+    decodes that no rounding of fp32 may flip a code in)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 class QuantisedKVCache(RingKVCache):
     """What both storages share: a KEPT entry held as it is, in the cache's dtype; every other one through
     the subclass's allocate_entry (its buffers, {name: ..., name.scale: ...}), store_entry and load_entry
-    (fp32 values), cast back to the dtype it was computed in."""
+    (fp32 values), cast back to the dtype it was computed in; load_codes, the same slots as Codes, for the
+    steps that read codes (decode.py)."""
 
     def allocate(self, shapes, length, device):
         buffers = {}
@@ -64,38 +100,57 @@ class QuantisedKVCache(RingKVCache):
             out[name] = x.to(dtype)
         return out
 
+    def load_codes(self, layer, slots):
+        """load's entries of the first S slots (slots: slice(0, S) or slice(None)), each held entry as the
+        storage's Codes over them, a KEPT one as load gives it."""
+        buffers, S = self.layers[layer], len(range(self.length(layer))[slots])
+        if slots != slice(0, S) and slots != slice(None):
+            raise ValueError(f"codes are read from the first slots on, not {slots}")
+        return {name: buffers[name][:, :S].to(dtype) if name in KEPT else self.codes(buffers, name, S, dtype)
+                for name, dtype in self.dtypes[layer].items()}
+
+    def slot_index(self, start, stop, device):  # slots start..stop-1 as load_entry takes them
+        return slice(start, stop)
+
 
 class Int8KVCache(QuantisedKVCache):
     """int8 entries with a scale per row (the last dim), rho as it is (module docstring)."""
 
     def allocate_entry(self, name, shape, length, device):
         B = self.batch_size
-        return {name: torch.zeros(B, length, *shape, dtype=torch.int8, device=device),
+        return {name: laid_out(name, (B, length, *shape), torch.int8, device),
                 f"{name}.scale": torch.zeros(B, length, *shape[:-1], 1, dtype=self.dtype, device=device)}
 
     def store_entry(self, layer, buffers, name, slots, x):
-        x = x.float()
+        x = wide(x)
         scale = (x.abs().amax(-1, keepdim=True) / 127).to(self.dtype)  # as stored
-        q = torch.round(x / scale.float().clamp(min=torch.finfo(torch.float32).tiny)).clamp(-127, 127)
+        q = torch.round(x / wide(scale).clamp(min=torch.finfo(torch.float32).tiny)).clamp(-127, 127)
         buffers[name][:, slots] = q.to(torch.int8)
         buffers[f"{name}.scale"][:, slots] = scale
 
     def load_entry(self, buffers, name, slots):
-        return buffers[name][:, slots].float() * buffers[f"{name}.scale"][:, slots].float()
+        scale = wide(buffers[f"{name}.scale"][:, slots])
+        return buffers[name][:, slots].to(scale.dtype) * scale
+
+    def codes(self, buffers, name, S, dtype):
+        return Int8Codes(self, buffers, name, S, dtype)
 
 
 def int4_codes(x, low, scale):
     """Asymmetric 4-bit codes of x in [0, 15] for the stored low m and scale s, fp32, packed two to a byte
-    along the last dim (even): the first of a pair in the low 4 bits."""
-    q = torch.round((x - low.float()) / scale.float().clamp(min=torch.finfo(torch.float32).tiny)).clamp(0, 15)
+    along the last dim (even, d): channel i in the low 4 bits of byte i, channel d/2 + i in its high 4, so
+    that each half's codes are one mask or shift of the bytes, in order (Int4Codes' reads)."""
+    q = torch.round((x - wide(low)) / wide(scale).clamp(min=torch.finfo(torch.float32).tiny)).clamp(0, 15)
     q = q.to(torch.uint8)
-    return q[..., 0::2] | (q[..., 1::2] << 4)
+    low_half, high_half = q.chunk(2, dim=-1)
+    return low_half | (high_half << 4)
 
 
 def int4_values(packed, low, scale):
     """What int4_codes packed stands for, q s + m, fp32 (..., 2 * packed's last dim)."""
-    q = torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2).float()
-    return q * scale.float() + low.float()
+    scale = wide(scale)
+    q = torch.cat((packed & 15, packed >> 4), dim=-1).to(scale.dtype)
+    return q * scale + wide(low)
 
 
 def token_rows(shape):
@@ -127,13 +182,13 @@ class Int4KVCache(QuantisedKVCache):
         if name in KEYS:  # per channel, over each group of G slots; the codes padded to whole groups
             groups = -(-length // G)
             # filling, the same for every row: the group being filled's first slot, and its slots filled
-            return {name: torch.zeros(B, groups * G, *packed, dtype=torch.uint8, device=device),
+            return {name: laid_out(name, (B, groups * G, *packed), torch.uint8, device),
                     f"{name}.low": zeros(B, groups, *shape), f"{name}.scale": zeros(B, groups, *shape),
                     f"{name}.residual": zeros(B, G, *shape),
                     f"{name}.filling": torch.zeros(B, 2, dtype=torch.long, device=device)}
         rows = token_rows(shape)  # per token, a row or two
         per_token = (B, length, *shape[:-len(rows)], *[1] * len(rows))
-        return {name: torch.zeros(B, length, *packed, dtype=torch.uint8, device=device),
+        return {name: laid_out(name, (B, length, *packed), torch.uint8, device),
                 f"{name}.low": zeros(per_token), f"{name}.scale": zeros(per_token)}
 
     def store_entry(self, layer, buffers, name, slots, x):
@@ -142,8 +197,8 @@ class Int4KVCache(QuantisedKVCache):
             for t in range(x.size(1)):  # a slot at a time: each may fill a group
                 self.store_key_slot(buffers, name, self.length(layer), slots[t:t + 1], x[:, t:t + 1])
         else:
-            low, scale = low_scale(x.float(), token_rows(x.shape[2:]), self.dtype)
-            buffers[name][:, slots] = int4_codes(x.float(), low, scale)
+            low, scale = low_scale(wide(x), token_rows(x.shape[2:]), self.dtype)
+            buffers[name][:, slots] = int4_codes(wide(x), low, scale)
             buffers[f"{name}.low"][:, slots], buffers[f"{name}.scale"][:, slots] = low, scale
 
     def store_key_slot(self, buffers, name, length, slot, x):
@@ -158,7 +213,7 @@ class Int4KVCache(QuantisedKVCache):
         full = index + 1 == torch.clamp(length - start, max=G)  # (1,): the group's last slot
         # per channel over the group's slots filled so far, the first standing in for the others
         held = (torch.arange(G, device=slot.device) <= index).view(1, G, *[1] * (residual.dim() - 2))
-        values = torch.where(held, residual.float(), residual[:, :1].float())  # (B, G, *shape)
+        values = torch.where(held, wide(residual), wide(residual[:, :1]))  # (B, G, *shape)
         low, scale = low_scale(values, 1, self.dtype)  # (B, 1, *shape)
         group = start // G
         for buffer, new in ((buffers[f"{name}.low"], low), (buffers[f"{name}.scale"], scale)):
@@ -170,6 +225,12 @@ class Int4KVCache(QuantisedKVCache):
 
     def load(self, layer, slots):  # the slots as an index (S,), for the groups' arithmetic
         return super().load(layer, torch.arange(self.length(layer), device=self.rope.device)[slots])
+
+    def slot_index(self, start, stop, device):
+        return torch.arange(start, stop, device=device)
+
+    def codes(self, buffers, name, S, dtype):
+        return Int4Codes(self, buffers, name, S, dtype)
 
     def load_entry(self, buffers, name, index):
         if name not in KEYS:
@@ -183,7 +244,226 @@ class Int4KVCache(QuantisedKVCache):
         start, filled = buffers[f"{name}.filling"][0, 0], buffers[f"{name}.filling"][0, 1]
         fresh = ((index >= start) & (index < start + filled)).view(1, -1, *[1] * (values.dim() - 2))
         within = (index - start).clamp(0, residual.size(1) - 1)  # (S,): its place in the residual
-        return torch.where(fresh, residual[:, within].float(), values)
+        return torch.where(fresh, wide(residual[:, within]), values)
+
+
+# -----------------------------------------------------------------------------
+# The fast reads: a step's two products over an entry's codes, each the dequantised equation's
+
+def grouped(x):
+    """An entry (B, S, d) as one group of heads, (B, S, 1, d); (B, S, G, d) as it is."""
+    return x.unsqueeze(2) if x.dim() == 3 else x
+
+
+def held_order(x):
+    """A POSITION_LAST entry's buffer (B, L, [G,] d) as it lies in memory, by group: (B, G, d, L)."""
+    x = x.permute(0, *range(2, x.dim()), 1)
+    return x.unsqueeze(1) if x.dim() == 3 else x
+
+
+@torch.compiler.disable  # inductor's lowering of the kernel refuses inputs it has not stored: run as it is
+def int8_matmul(a, codes, scale, dtype):
+    """a (M, K) times int8 codes (N, K) with a scale per row (N,): a @ (codes * scale[:, None]).T, (M, N),
+    in bf16 or fp16 (dtype's) by PyTorch's weight-only int8 kernel (gpt-fast's), which converts the codes
+    inside its dot products, over a K of whole 16s (past them its vector loop reads beyond the rows).
+    Elsewhere its fp32 loop is five to ten times slower than converting 1 MB of rows at a time to fp32
+    (fp64 for an fp64 a, the tests') and multiplying them: that, the scale applied to the products."""
+    if dtype in (torch.bfloat16, torch.float16) and codes.size(-1) % 16 == 0:
+        return torch.ops.aten._weight_int8pack_mm(a.to(dtype).contiguous(), codes.contiguous(),
+                                                  scale.to(dtype).contiguous())
+    a, rows = wide(a.to(dtype)), max(1, 2**18 // codes.size(-1))
+    return torch.cat([(a @ codes[n:n + rows].to(a.dtype).T) * scale[n:n + rows].to(a.dtype)
+                      for n in range(0, codes.size(0), rows)], dim=-1)
+
+
+class Codes:
+    """The first S slots of a quantised cache's entry, as a step that reads codes sees it (decode.py's
+    CODE_STEPS): logically (B, S, *shape), what load would give, held as the storage holds it. A step asks
+    for two products, by heads g of q and of the entry (an entry (B, S, d) is one group):
+
+        scores(q):       q (B, G, M, d) -> (B, G, M, S), q_{g,m} . x_{s,g}
+        weighted_sum(p): p (B, G, M, S) -> (B, G, M, d), sum_s p_{g,m,s} x_{s,g}
+
+    and dot(x, start, stop), x (B, n, *shape) -> (B, n, *shape[:-1]): x . x_s over the last dim for the
+    slots start..stop-1, which may take x in place (a chunk's own product). Here each by the dequantising
+    read a chunk of slots at a time (values: load's own dequantisation of the chunk), converted, used and
+    dropped while in the processor's cache; the storages' subclasses read the codes in a kernel where one
+    fits."""
+
+    chunk_bytes = 2**20  # a chunk's dequantised values
+
+    def __init__(self, cache, buffers, name, S, dtype):
+        self.cache, self.buffers, self.name, self.S, self.dtype = cache, buffers, name, S, dtype
+        self.device = buffers[name].device
+        packed = 2 if buffers[name].dtype == torch.uint8 else 1  # int4: two codes a byte
+        self.shape = (buffers[name].size(0), S, *buffers[name].shape[2:-1], packed * buffers[name].size(-1))
+        self.slot_numel = math.prod(self.shape[2:])
+
+    def values(self, start, stop):
+        """Slots start..stop-1 as load gives them, (B, n, *shape) in the entry's dtype."""
+        index = self.cache.slot_index(start, stop, self.device)
+        return self.cache.load_entry(self.buffers, self.name, index).to(self.dtype)
+
+    def chunks(self):
+        step = max(1, self.chunk_bytes // (4 * self.buffers[self.name].size(0) * self.slot_numel))
+        return [(start, min(start + step, self.S)) for start in range(0, self.S, step)]
+
+    def scores(self, q):
+        return torch.cat([torch.einsum("bgmd,bsgd->bgms", q, grouped(self.values(a, b)))
+                          for a, b in self.chunks()], dim=-1)
+
+    def weighted_sum(self, p):
+        y = 0
+        for a, b in self.chunks():
+            y = y + torch.einsum("bgms,bsgd->bgmd", p[..., a:b], grouped(self.values(a, b)))
+        return y
+
+    def dot(self, x, start, stop):
+        return (x * self.values(start, stop)).sum(-1)
+
+
+class Int8Codes(Codes):
+    """Int8KVCache's codes c with a scale s_t per row: a row is s_t c_t, so q . (s_t c_t) = s_t (q . c_t)
+    and sum_t p_t s_t c_t = (p * s) . C: the scale moves onto the scores or the weights, and the codes go
+    into int8_matmul as they lie, a HEAD_MAJOR or row entry's scores, a POSITION_LAST one's weighted
+    sums (the other product of each, the chunked read)."""
+
+    def __init__(self, cache, buffers, name, S, dtype):
+        super().__init__(cache, buffers, name, S, dtype)
+        self.codes = buffers[name][:, :S]  # (B, S, *shape) int8
+        self.scale = buffers[f"{name}.scale"][:, :S, ..., 0]  # (B, S, *shape[:-1])
+
+    def scores(self, q):
+        if self.name in POSITION_LAST:
+            return super().scores(q)
+        codes = grouped(self.codes)  # (B, S, G, d)
+        scale = self.scale.reshape(*codes.shape[:3])  # (B, S, G)
+        return torch.stack([torch.stack([int8_matmul(q[b, g], codes[b, :, g], scale[b, :, g], q.dtype)
+                                         for g in range(q.size(1))]) for b in range(q.size(0))]).to(q.dtype)
+
+    def weighted_sum(self, p):
+        if self.name not in POSITION_LAST:
+            return super().weighted_sum(p)
+        codes = held_order(self.buffers[self.name])  # (B, G, d, L)
+        B, G, M, S = p.shape
+        weights = p * self.scale.reshape(B, S, -1).transpose(1, 2).unsqueeze(2)  # (B, G, M, S): p * s
+        # over all L slots held, those past S weighted 0: a kernel reads its rows whole
+        weights = torch.nn.functional.pad(wide(weights), (0, codes.size(-1) - S))
+        ones = torch.ones(codes.size(2), dtype=weights.dtype, device=p.device)
+        return torch.stack([torch.stack([int8_matmul(weights[b, g], codes[b, g], ones, p.dtype)
+                                         for g in range(G)]) for b in range(B)]).to(p.dtype)
+
+    def dot(self, x, start, stop):  # x . (s_t c_t) = s_t (x . c_t); x, a chunk's own, taken in place
+        return x.mul_(self.codes[:, start:stop]).sum(-1) * self.scale[:, start:stop]
+
+
+class Int4Codes(Codes):
+    """Int4KVCache's codes, two a byte (channels i and d/2 + i: int4_codes). An entry held per token
+    is x_t = c_t s_t + m_t, so q . x_t = s_t (q . c_t) + m_t sum(q) and sum_t p_t x_t = (p * s) . C + p . m:
+    the first and the second half's codes, each one mask or shift of the packed bytes (int8, 0..15), go
+    into int8_matmul. A key entry, per channel over slot groups (KIVI), is x_t = c_t * s_g + m_g for the
+    group g of slot t, so q . x_t = (q * s_g) . c_t + q . m_g: the scales move into the query, a group at a
+    time, over a chunk of groups' codes converted in the processor's cache; the slots of the group being
+    filled score from the residual, in full precision."""
+
+    def __init__(self, cache, buffers, name, S, dtype):
+        super().__init__(cache, buffers, name, S, dtype)
+        self.packed = buffers[name]  # (B, L, *shape[:-1], d/2) uint8, L padded to whole groups for a key
+        self.low, self.scale = buffers[f"{name}.low"], buffers[f"{name}.scale"]
+
+    def token_low_scale(self, B, S, G):  # a per-token entry's m_t, s_t for every head, (B, S, G) each
+        return [wide(x[:, :S].expand(B, S, *self.packed.shape[2:-1], 1).reshape(B, S, G))
+                for x in (self.low, self.scale)]
+
+    def scores(self, q):
+        if self.name in KEYS:
+            return self.key_scores(q)
+        if self.name in POSITION_LAST:
+            return super().scores(q)
+        B, G, M, _ = q.shape
+        packed, (low, scale) = grouped(self.packed), self.token_low_scale(B, self.S, G)
+        out = torch.empty(B, G, M, self.S, dtype=wide(q).dtype, device=q.device)
+        for b, g in itertools.product(range(B), range(G)):
+            codes = packed[b, :self.S, g]  # (S, d/2)
+            first, second = (codes & 15).view(torch.int8), (codes >> 4).view(torch.int8)  # the halves
+            qb = q[b, g]
+            h = first.size(-1)
+            out[b, g] = (int8_matmul(qb[:, :h], first, scale[b, :, g], q.dtype)
+                         + int8_matmul(qb[:, h:], second, scale[b, :, g], q.dtype)
+                         + wide(qb).sum(-1, keepdim=True) * low[b, :, g])
+        return out.to(q.dtype)
+
+    def weighted_sum(self, p):
+        if self.name not in POSITION_LAST:
+            return super().weighted_sum(p)
+        B, G, M, S = p.shape
+        packed = held_order(self.packed)  # (B, G, d/2, L)
+        low, scale = self.token_low_scale(B, S, G)
+        weights = wide(p) * scale.transpose(1, 2).unsqueeze(2)  # (B, G, M, S): p * s
+        weights = torch.nn.functional.pad(weights, (0, packed.size(-1) - S))  # slots past S weighted 0
+        shift = wide(p) @ low.transpose(1, 2).unsqueeze(-1)  # (B, G, M, 1): p . m
+        ones = torch.ones(packed.size(2), dtype=weights.dtype, device=p.device)
+        out = torch.empty(B, G, M, 2 * packed.size(2), dtype=weights.dtype, device=p.device)
+        for b, g in itertools.product(range(B), range(G)):
+            codes = packed[b, g]  # (d/2, L)
+            h = codes.size(0)
+            out[b, g, :, :h] = int8_matmul(weights[b, g], (codes & 15).view(torch.int8), ones, p.dtype)
+            out[b, g, :, h:] = int8_matmul(weights[b, g], (codes >> 4).view(torch.int8), ones, p.dtype)
+        return (out + shift).to(p.dtype)
+
+    def dot(self, x, start, stop):
+        """A key entry's: x . (c_t * s_g + m_g), the codes of the whole groups that slots start..stop-1 span
+        converted with their group's scale and low (no slot gathered), x taken in place (a chunk's own);
+        then the slots of the group being filled (at most Gs) again, from the residual."""
+        if self.name not in KEYS:
+            return super().dot(x, start, stop)
+        residual = self.buffers[f"{self.name}.residual"]  # (B, Gs, *shape)
+        Gs = residual.size(1)
+        filling = self.buffers[f"{self.name}.filling"]
+        first, filled = filling[0, 0], filling[0, 1]
+        place = torch.arange(Gs, device=x.device)
+        slots = (first + place - start).clamp(0, stop - start - 1)  # (Gs,): the residual's slots in x
+        rows = x[:, slots]  # (B, Gs, *shape): before x is taken
+        a, b = start // Gs, -(-stop // Gs)  # the groups spanned
+        codes = self.packed[:, a * Gs:b * Gs].view(x.size(0), b - a, Gs, *self.packed.shape[2:])
+        codes = torch.cat((codes & 15, codes >> 4), dim=-1)  # (B, groups, Gs, *shape) uint8
+        low, scale = self.low[:, a:b].unsqueeze(2), self.scale[:, a:b].unsqueeze(2)  # (B, groups, 1, *shape)
+        values = torch.addcmul(low, codes.to(x.dtype), scale)
+        out = x.mul_(values.flatten(1, 2)[:, start - a * Gs:stop - a * Gs]).sum(-1)  # (B, n, *shape[:-1])
+        fresh = (place < filled) & (first + place >= start) & (first + place < stop)
+        from_residual = (rows * residual.to(x.dtype)).sum(-1)  # (B, Gs, *shape[:-1])
+        # a fresh slot's sum replaced by adding the difference: the others (clamped onto one slot) add 0
+        change = torch.where(fresh.view(1, Gs, *[1] * (out.dim() - 2)), from_residual - out[:, slots], 0)
+        return out.index_put((torch.arange(out.size(0), device=x.device)[:, None], slots[None]), change,
+                             accumulate=True)
+
+    def key_scores(self, q):
+        B, G, M, d = q.shape
+        residual = grouped(self.buffers[f"{self.name}.residual"])  # (B, Gs, G, d)
+        Gs, n = residual.size(1), -(-self.S // residual.size(1))  # slots a group, groups read
+        packed = grouped(self.packed).transpose(1, 2)  # (B, G, L, d/2)
+        low, scale = (grouped(x[:, :n]).permute(0, 2, 1, 3).unsqueeze(3) for x in (self.low, self.scale))
+        q_low = (wide(q.unsqueeze(2)) * wide(low)).sum(-1, keepdim=True)  # (B, G, n, M, 1): q . m_g
+        q_scaled = (q.unsqueeze(2) * scale.to(q.dtype))  # (B, G, n, M, d): q * s_g
+        per = max(1, self.chunk_bytes // (4 * B * G * Gs * d))  # groups a chunk
+        out = []
+        for a in range(0, n, per):
+            b = min(n, a + per)
+            codes = packed[:, :, a * Gs:b * Gs].reshape(B, G, b - a, Gs, d // 2)
+            first, second = (codes & 15).to(q.dtype), (codes >> 4).to(q.dtype)  # the halves' codes
+            qs = q_scaled[:, :, a:b]
+            h = first.size(-1)
+            # (B, G, k, M, Gs): each group's slots by its scaled query
+            s = qs[..., :h] @ first.transpose(-1, -2) + qs[..., h:] @ second.transpose(-1, -2)
+            out.append((s + q_low[:, :, a:b].to(q.dtype)).transpose(2, 3).flatten(-2))  # (B, G, M, k Gs)
+        scores = torch.cat(out, dim=-1)[..., :self.S]
+        filling = self.buffers[f"{self.name}.filling"]
+        start, filled = filling[0, 0], filling[0, 1]
+        index = torch.arange(self.S, device=q.device)
+        fresh = (index >= start) & (index < start + filled)
+        within = (index - start).clamp(0, Gs - 1)  # (S,): its place in the residual
+        from_residual = torch.einsum("bgmd,bsgd->bgms", q, residual.to(q.dtype))[..., within]
+        return torch.where(fresh, from_residual, scores)
 
 
 CACHES = {"none": RingKVCache, "int8": Int8KVCache, "int4": Int4KVCache}

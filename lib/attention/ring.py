@@ -43,11 +43,11 @@ def visible(q_pos, k_pos, window=None):
 
 
 def masked_softmax(scores, mask, dtype):
-    """softmax of scores (B, H, S) in fp32 where mask (None: all; (1, S) bool) allows, in dtype. An empty
-    slot's score may be 0 / 0 (a cached key RMS of 0): -inf overwrites it."""
+    """softmax of scores (B, H, S) in fp32 (fp64 scores in fp64) where mask (None: all; (1, S) bool) allows,
+    in dtype. An empty slot's score may be 0 / 0 (a cached key RMS of 0): -inf overwrites it."""
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+    return torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(dtype)
 
 
 def slot_positions(length, pos, device=None):
@@ -110,26 +110,27 @@ class RingKVCache(KVCache):
         slots = torch.arange(self.pos, self.pos + T)[-length:] % length
         self.store(layer, slots, {name: x[:, -length:] for name, x in entries.items()})
 
-    def held(self, attn, T):
+    def held(self, attn, T, codes=False):
         """The entries attn's T new queries at columns pos..pos+T-1 read, {name: (B, S, *shape)} (their
-        owner's slots written, then any pending chunk), their owner, and the column each holds (S,)."""
+        owner's slots written, then any pending chunk), their owner, and the column each holds (S,).
+        codes: as load_codes hands them."""
         owner = self.kv_source[attn.layer]
         pending = self.pending.get(owner)
         ahead = 0 if pending is not None else T  # the queries' own positions, already in the slots
         held = min(self.pos + ahead, self.length(owner))
-        entries = self.load(owner, slice(0, held))
+        entries = (self.load_codes if codes else self.load)(owner, slice(0, held))
         positions = slot_positions(self.length(owner), self.pos + ahead, self.rope.device)[:held]
         if pending is not None:
             entries = {name: torch.cat((x, pending[name]), 1) for name, x in entries.items()}
             positions = torch.cat((positions, torch.arange(self.pos, self.pos + T, device=positions.device)))
         return owner, entries, positions
 
-    def read(self, attn, T):
+    def read(self, attn, T, codes=False):
         """What attn's T new queries see, as model.py's KVCache.attend uses it: the attention whose entries
         they are (attn's owner), those entries (held), their RoPE rows (S, rope_dim), or (B, S, rope_dim)
         where rows differ, and the mask (T, S), or (B, 1, T, S), of visible with attn's window and each
         row's positions (None where Attention.attend's own rule is it)."""
-        owner, entries, columns = self.held(attn, T)
+        owner, entries, columns = self.held(attn, T, codes)
         window, pending = self.windows[attn.layer], owner in self.pending
         q_pos = self.row_positions(torch.arange(self.pos, self.pos + T, device=columns.device))
         k_pos = self.row_positions(columns)  # (S,), or (B, S) where rows differ
@@ -141,6 +142,11 @@ class RingKVCache(KVCache):
         unwrapped = agree and not pending and self.pos + T <= self.length(owner)
         rope = self.rope[:len(columns)] if unwrapped else self.rope[k_pos.clamp(min=0)]
         return self.sources[owner], entries, rope, mask
+
+    def load_codes(self, layer, slots):
+        """load's entries, for a step that reads a quantised storage's codes (quant.py's, its own): here the
+        same tensors."""
+        return self.load(layer, slots)
 
     def advance(self, T):
         for layer, entries in self.pending.items():
