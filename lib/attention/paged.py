@@ -21,15 +21,23 @@ from there; its other entries are stored as they come.
 
 A forward runs the sequences select chose, each at its own position (model.py's row_positions): row b's
 T new tokens are its positions lengths[b]..lengths[b] + T - 1, and its queries attend over its own
-positions alone, gathered from its blocks, as ring.visible of each row's positions allows.
+positions alone, gathered from its blocks, as ring.visible of each row's positions allows; one token a
+row goes through its variant's exact single-token step (decode.py) where that step takes a row's mask.
 """
 
 import math
 
 import torch
 
+from lib.attention.decode import lrkv_step, mla_step, step_for
 from lib.attention.quant import KEYS
 from lib.attention.ring import RingKVCache, visible
+
+# The single-token steps that one token a row decodes by: LRKV's and MLA's, which build no cached
+# position's key (decode.py), where the plain path rebuilds them all, and whose scores are (B, H, S), so
+# that a mask (B, 1, S) gives each row its own positions. Every other variant decodes by the plain path
+# below (MHA's, GQA's and MQA's reads their cached keys as they are, through SDPA)
+ROW_MASK_STEPS = {lrkv_step, mla_step}
 
 
 class PagedKVCache(RingKVCache):
@@ -168,8 +176,12 @@ class PagedKVCache(RingKVCache):
             entries = self.with_tails(owner, keys, held, here, entries)
         k_pos = torch.where(held, keys, -1).to(q.device)
         mask = visible(here.to(q.device), k_pos, window).unsqueeze(1)  # (B, 1, T, S)
+        source, rope = self.sources[owner], self.rope[start:end]  # every row's positions start..end-1
+        step = step_for(attn, source) if T == 1 else None
+        if step in ROW_MASK_STEPS:  # one token a row: its variant's exact step, each row its own mask
+            return step(source, q, entries, rope, mask[:, :, 0])  # mask (B, 1, S) against scores (B, H, S)
         prompt = B == 1 and end == T and window is None  # a whole prompt at once: Attention.attend's causal
-        k, v = self.sources[owner].cached_keys_values(self.rope[start:end], **entries)
+        k, v = source.cached_keys_values(rope, **entries)
         return attn.attend(q, k, v, None if prompt else mask)
 
     def store_whole(self, owner, here, entries):
