@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from lib.training import configurator
-from test_analyze import save_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 SIGPIPE_STATUS = 128 + signal.SIGPIPE  # 141
@@ -45,21 +44,31 @@ def into_finished_head(command, buffered=True):
     return printed, result.returncode, result.stderr
 
 
+def test_eval_list_into_head_ends_quietly():
+    """The issue's case, a whole process: `python eval.py --list | head -n 1`."""
+    assert into_finished_head(["eval.py", "--list"]) == (b"first line\n", SIGPIPE_STATUS, "")
+
+
 @pytest.mark.parametrize("buffered", [True, False])
-def test_eval_list_into_head_ends_quietly(buffered):
-    assert into_finished_head(["eval.py", "--list"], buffered) == (b"first line\n", SIGPIPE_STATUS, "")
+def test_a_main_printing_into_a_pipe_with_no_reader_ends_with_141(buffered, monkeypatch):
+    """In the process, both ways Python meets the closed pipe: at run_main's flush (a pipe's default
+    buffering) or at the print itself (line by line, as PYTHONUNBUFFERED)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # no reader
+    stream = os.fdopen(write_end, "w", buffering=-1 if buffered else 1)
+    monkeypatch.setattr(sys, "stdout", stream)
+    reached = []
 
+    def main():
+        print("a table's first line")
+        reached.append("after the print")
+        return 0
 
-def test_prepare_data_and_analyze_into_head_end_quietly(tmp_path):
-    """prepare_data.py, whose one-line errors catch OSError, which BrokenPipeError is, and analyze.py,
-    which prints its table before it writes the figures."""
-    (tmp_path / "a.txt").write_text("some text to tokenize\n" * 50)
-    prepare = ["prepare_data.py", "--dataset=text", "--tokenizer=byte", "--input", str(tmp_path / "a.txt"),
-               f"--out_dir={tmp_path / 'bytes'}"]
-    assert into_finished_head(prepare)[1:] == (SIGPIPE_STATUS, "")
-    save_checkpoint(tmp_path / "mha" / "ckpt.pt", attn="mha")
-    analyze = ["analyze.py", str(tmp_path / "mha" / "ckpt.pt"), f"--out_dir={tmp_path / 'figures'}"]
-    assert into_finished_head(analyze, buffered=False)[1:] == (SIGPIPE_STATUS, "")
+    try:
+        assert configurator.run_main(main) == SIGPIPE_STATUS
+        assert reached == (["after the print"] if buffered else [])
+    finally:
+        stream.close()  # its fd now /dev/null's (run_main): nothing left to break
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
