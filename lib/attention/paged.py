@@ -197,6 +197,8 @@ class PagedKVCache(RingKVCache):
                    {name: e.reshape(1, B * T, *e.shape[2:]) for name, e in entries.items()
                     if name not in KEYS})
         entries = {name: e for name, e in entries.items() if name in KEYS}
+        if not entries:  # a variant with no entry that makes keys of KEYS' names: nothing waits in a tail
+            return
         for b, seq in enumerate(self.rows):
             tail = self.tails.setdefault(seq, {}).setdefault(
                 owner, {name: e.new_zeros(1, bs, *e.shape[2:], dtype=self.dtype)  # as Int4KVCache's residual
@@ -210,7 +212,7 @@ class PagedKVCache(RingKVCache):
                     tail[name][:, offset:offset + n] = e[b:b + 1, i:i + n]
                 if offset + n == bs:  # full: stored whole
                     block = self.tables[seq][owner][(first + i) // bs]
-                    slots = torch.arange(block * bs, (block + 1) * bs, device=e.device)
+                    slots = torch.arange(block * bs, (block + 1) * bs, device=device)
                     self.store(owner, slots, tail)
 
     def with_tails(self, owner, keys, held, here, entries):
