@@ -6,6 +6,7 @@ preempted too; bad input in one line."""
 import pytest
 import torch
 
+from lib.attention.decode import ExactKVCache, FixedKVCache
 from lib.attention.engine import Engine
 from lib.attention.layout import kv_cache_elements_per_token
 from lib.attention.paged import PagedKVCache, blocks_for
@@ -49,6 +50,17 @@ def test_rows_at_different_positions_decode_as_each_row_alone(attn):
                 logits += [model(more[b:b + 1, t:t + 1], cache=alone)[0][0, -1] for t in range(6)]
                 torch.testing.assert_close(torch.stack([x[b] for x in batched]), torch.stack(logits),
                                            atol=1e-5, rtol=1e-5, msg=f"{layout} row {b}")
+
+
+def test_the_single_token_steps_refuse_rows_at_different_positions():
+    """decode.py's steps take one set of RoPE rows and one mask for the batch: its views refuse a ring of
+    left-padded rows in one line, which then decodes by the plain cached path (above)."""
+    model = tiny_model("lrkv")
+    cache = model.new_cache(2, 8, torch.float32, cache_class=RingKVCache)
+    cache.starts = torch.tensor([0, 2])
+    for view in (ExactKVCache, FixedKVCache):
+        with pytest.raises(ValueError, match="^rows at different positions [^\n]*$"):
+            view(cache)
 
 
 def alone(model, prompt, n, cache_class=RingKVCache, length=None):

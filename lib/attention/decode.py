@@ -323,6 +323,14 @@ def latent_attention(attn, q, c, k_rope, rho, mask):
 # -----------------------------------------------------------------------------
 # The caches that run the steps, and stream's steps over them
 
+def rows_agree(cache):
+    """A ValueError of one line where cache's rows are at different positions (ring.py's left-padded rows):
+    the steps take one set of RoPE rows and one mask for the batch, so such rows decode by the plain path."""
+    if cache.starts is not None:
+        raise ValueError("rows at different positions (left-padded) decode by the plain cached path: the "
+                         "single-token steps take one position for the batch")
+
+
 class ExactKVCache:
     """A view over a RingKVCache (one a prefill has filled, say) from its position on: a single new
     token attends through its variant's registered step, reading the entries and positions the cache's
@@ -333,6 +341,7 @@ class ExactKVCache:
         if not isinstance(cache, RingKVCache):
             raise TypeError(f"an ExactKVCache views a RingKVCache (new_cache(..., cache_class=RingKVCache)), "
                             f"not a {type(cache).__name__}")
+        rows_agree(cache)
         self.cache = cache
 
     @property
@@ -372,6 +381,7 @@ class FixedKVCache:
     def __init__(self, cache):
         if not isinstance(cache, RingKVCache):
             raise TypeError(f"a FixedKVCache views a RingKVCache, not a {type(cache).__name__}")
+        rows_agree(cache)
         self.cache = cache
         self.pos = torch.tensor([cache.pos], device=cache.rope.device)
         self.free = cache.max_len - cache.pos  # the positions left, counted on the host: no sync to check
