@@ -417,8 +417,8 @@ class KVCache:
         T, end = x.size(1), self.pos + x.size(1)
         self.store(attn.layer, slice(self.pos, end), attn.cache_entries(x, rope))  # rope: the T new rows
         k, v = attn.cached_keys_values(self.rope[:end], **self.load(attn.layer, slice(0, end)))  # end rows
-        mask = torch.ones(T, end, dtype=torch.bool, device=q.device).tril(self.pos)  # pos + i sees j <= pos+i
-        return attn.attend(q, k, v, mask if self.pos > 0 and T > 1 else None)  # a chunk after a prefix
+        mask = q.new_ones(T, end, dtype=torch.bool).tril(self.pos) if self.pos and T > 1 else None
+        return attn.attend(q, k, v, mask)  # a chunk after a prefix: query pos + i sees j <= pos + i
 
     def advance(self, T):  # after the last layer (GPT.forward): all layers of a forward see the same pos
         self.pos += T
