@@ -9,7 +9,7 @@ of token lists in the prompts' order. A request waits, then runs, then leaves. E
 
   1. admit: waiting requests join, first come first, while the pool has the blocks of their whole
      context free, beside those that joined requests' prefills still need and one for each running
-     request, which its next tokens will soon need (and while the batch has room: max_batch);
+     request, which its next tokens will soon need;
   2. prefill: joined requests' contexts go into the cache, at most `chunk` tokens a step in all, so
      that a long prompt takes several steps (its chunks) and running requests keep decoding between
      them; a context's last chunk gives its first new token;
@@ -55,13 +55,12 @@ class Request:
 class Engine:
     """Continuous batching over a paged cache of kv_budget_bytes (the module's docstring). storage: a
     cache class of quant.CACHES (plain, int8, int4), paged; dtype: the cache's (the weights' by default);
-    chunk: the prefill tokens a step; max_batch: the most requests running at once (None: as many as
-    fit); clock: seconds (tools/bench.py's: CPU time at one thread). stats, after generate:
-    peak_in_flight, preemptions, forwards, seconds, new_tokens, mean_s_per_token."""
+    chunk: the prefill tokens a step; clock: seconds (tools/bench.py's: CPU time at one thread). stats,
+    after generate: peak_in_flight, preemptions, forwards, seconds, new_tokens, mean_s_per_token."""
 
     def __init__(self, model, kv_budget_bytes, storage=RingKVCache, dtype=None, block_size=16, chunk=256,
-                 max_batch=None, clock=time.perf_counter):
-        self.model, self.chunk, self.max_batch, self.clock = model, chunk, max_batch, clock
+                 clock=time.perf_counter):
+        self.model, self.chunk, self.clock = model, chunk, clock
         self.cache = paged_cache_class(storage)(model, kv_budget_bytes, dtype, block_size=block_size)
         self.stats = {}
 
@@ -132,7 +131,7 @@ class Engine:
         """Waiting requests join, first in line first, while the pool holds their whole context's blocks
         beside those that the joined requests' contexts still need (their prefills to come)."""
         promised = sum(self.cache.blocks_needed(r.id, r.to_prefill()) for r in running if r.to_prefill())
-        while waiting and (self.max_batch is None or len(running) < self.max_batch):
+        while waiting:
             request = waiting[0]  # alone, any request fits (check)
             needed = self.cache.blocks_needed(request.id, len(request.context()))
             if running and promised + needed + len(running) > len(self.cache.free):
