@@ -28,7 +28,6 @@ chunk at a time in the processor's cache; never a dequantised copy of the whole 
 """
 
 import functools
-import itertools
 import math
 
 import torch
@@ -193,9 +192,19 @@ class Int4KVCache(QuantisedKVCache):
 
     def store_entry(self, layer, buffers, name, slots, x):
         if name in KEYS:
-            slots = torch.as_tensor(slots, device=x.device).view(-1)
+            length, G = self.length(layer), buffers[f"{name}.residual"].size(1)
+            on_host = (torch.is_tensor(slots) and slots.device.type == "cpu"
+                       and not torch.compiler.is_compiling())
+            slots = torch.as_tensor(slots).view(-1)
             for t in range(x.size(1)):  # a slot at a time: each may fill a group
-                self.store_key_slot(buffers, name, self.length(layer), slots[t:t + 1], x[:, t:t + 1])
+                start, index = divmod(int(slots[t]), G) if on_host else (None, None)
+                if on_host and index + 1 < min(length - start * G, G):
+                    # a slot known on the host that leaves its group unfilled goes to the residual alone,
+                    # as store_key_slot would put it, without requantising the group (63 steps of 64)
+                    buffers[f"{name}.residual"][:, index] = x[:, t].to(self.dtype)
+                    buffers[f"{name}.filling"][:, 0], buffers[f"{name}.filling"][:, 1] = start * G, index + 1
+                else:
+                    self.store_key_slot(buffers, name, length, slots[t:t + 1].to(x.device), x[:, t:t + 1])
         else:
             low, scale = low_scale(wide(x), token_rows(x.shape[2:]), self.dtype)
             buffers[name][:, slots] = int4_codes(wide(x), low, scale)
@@ -276,6 +285,25 @@ def int8_matmul(a, codes, scale, dtype):
                       for n in range(0, codes.size(0), rows)], dim=-1)
 
 
+def grouped_int8_matmul(a, codes, scale, dtype):
+    """Each group's rows by its own codes: a (B, G, M, K), codes (B, G, N, K) int8, scale (B, G, N) ->
+    (B, G, M, N), a[b, g] @ (codes[b, g] * scale[b, g, :, None]).T. Where a sequence's codes lie as one
+    (G N, K) matrix, one int8_matmul of every group's rows by all of it, (G M, G N), of which group g keeps
+    its own block: G times the products in one call that reads the codes once, where a call per group
+    costs more in calls than in products (one new token's rows are few, M: a head's); else a call a group."""
+    B, G, M, K = a.shape
+    N = codes.size(2)
+    out = []
+    for b in range(B):
+        if codes[b].is_contiguous():
+            rows, every_code = a[b].reshape(G * M, K), codes[b].view(G * N, K)
+            every = int8_matmul(rows, every_code, scale[b].reshape(G * N), dtype)  # (G M, G N)
+            out.append(every.view(G, M, G, N).diagonal(dim1=0, dim2=2).permute(2, 0, 1))  # (G, M, N)
+        else:
+            out.append(torch.stack([int8_matmul(a[b, g], codes[b, g], scale[b, g], dtype) for g in range(G)]))
+    return torch.stack(out)
+
+
 class Codes:
     """The first S slots of a quantised cache's entry, as a step that reads codes sees it (decode.py's
     CODE_STEPS): logically (B, S, *shape), what load would give, held as the storage holds it. A step asks
@@ -290,7 +318,7 @@ class Codes:
     dropped while in the processor's cache; the storages' subclasses read the codes in a kernel where one
     fits."""
 
-    chunk_bytes = 2**20  # a chunk's dequantised values
+    chunk_bytes = 2**22  # a chunk's dequantised values
 
     def __init__(self, cache, buffers, name, S, dtype):
         self.cache, self.buffers, self.name, self.S, self.dtype = cache, buffers, name, S, dtype
@@ -336,10 +364,9 @@ class Int8Codes(Codes):
     def scores(self, q):
         if self.name in POSITION_LAST:
             return super().scores(q)
-        codes = grouped(self.codes)  # (B, S, G, d)
-        scale = self.scale.reshape(*codes.shape[:3])  # (B, S, G)
-        return torch.stack([torch.stack([int8_matmul(q[b, g], codes[b, :, g], scale[b, :, g], q.dtype)
-                                         for g in range(q.size(1))]) for b in range(q.size(0))]).to(q.dtype)
+        codes = grouped(self.codes).transpose(1, 2)  # (B, G, S, d)
+        scale = self.scale.reshape(*codes.shape[:1], -1, codes.size(1)).transpose(1, 2)  # (B, G, S)
+        return grouped_int8_matmul(q, codes, scale, q.dtype).to(q.dtype)
 
     def weighted_sum(self, p):
         if self.name not in POSITION_LAST:
@@ -349,9 +376,8 @@ class Int8Codes(Codes):
         weights = p * self.scale.reshape(B, S, -1).transpose(1, 2).unsqueeze(2)  # (B, G, M, S): p * s
         # over all L slots held, those past S weighted 0: a kernel reads its rows whole
         weights = torch.nn.functional.pad(wide(weights), (0, codes.size(-1) - S))
-        ones = torch.ones(codes.size(2), dtype=weights.dtype, device=p.device)
-        return torch.stack([torch.stack([int8_matmul(weights[b, g], codes[b, g], ones, p.dtype)
-                                         for g in range(G)]) for b in range(B)]).to(p.dtype)
+        ones = torch.ones(codes.shape[:3], dtype=weights.dtype, device=p.device)
+        return grouped_int8_matmul(weights, codes, ones, p.dtype).to(p.dtype)
 
     def dot(self, x, start, stop):  # x . (s_t c_t) = s_t (x . c_t); x, a chunk's own, taken in place
         return x.mul_(self.codes[:, start:stop]).sum(-1) * self.scale[:, start:stop]
@@ -381,16 +407,13 @@ class Int4Codes(Codes):
         if self.name in POSITION_LAST:
             return super().scores(q)
         B, G, M, _ = q.shape
-        packed, (low, scale) = grouped(self.packed), self.token_low_scale(B, self.S, G)
-        out = torch.empty(B, G, M, self.S, dtype=wide(q).dtype, device=q.device)
-        for b, g in itertools.product(range(B), range(G)):
-            codes = packed[b, :self.S, g]  # (S, d/2)
-            first, second = (codes & 15).view(torch.int8), (codes >> 4).view(torch.int8)  # the halves
-            qb = q[b, g]
-            h = first.size(-1)
-            out[b, g] = (int8_matmul(qb[:, :h], first, scale[b, :, g], q.dtype)
-                         + int8_matmul(qb[:, h:], second, scale[b, :, g], q.dtype)
-                         + wide(qb).sum(-1, keepdim=True) * low[b, :, g])
+        codes = grouped(self.packed)[:, :self.S].transpose(1, 2)  # (B, G, S, d/2)
+        low, scale = (x.transpose(1, 2) for x in self.token_low_scale(B, self.S, G))  # (B, G, S) each
+        h = codes.size(-1)
+        first, second = (codes & 15).view(torch.int8), (codes >> 4).view(torch.int8)  # the halves
+        out = (grouped_int8_matmul(q[..., :h], first, scale, q.dtype)
+               + grouped_int8_matmul(q[..., h:], second, scale, q.dtype)
+               + wide(q).sum(-1, keepdim=True) * low.unsqueeze(2))  # (B, G, M, S)
         return out.to(q.dtype)
 
     def weighted_sum(self, p):
@@ -402,13 +425,9 @@ class Int4Codes(Codes):
         weights = wide(p) * scale.transpose(1, 2).unsqueeze(2)  # (B, G, M, S): p * s
         weights = torch.nn.functional.pad(weights, (0, packed.size(-1) - S))  # slots past S weighted 0
         shift = wide(p) @ low.transpose(1, 2).unsqueeze(-1)  # (B, G, M, 1): p . m
-        ones = torch.ones(packed.size(2), dtype=weights.dtype, device=p.device)
-        out = torch.empty(B, G, M, 2 * packed.size(2), dtype=weights.dtype, device=p.device)
-        for b, g in itertools.product(range(B), range(G)):
-            codes = packed[b, g]  # (d/2, L)
-            h = codes.size(0)
-            out[b, g, :, :h] = int8_matmul(weights[b, g], (codes & 15).view(torch.int8), ones, p.dtype)
-            out[b, g, :, h:] = int8_matmul(weights[b, g], (codes >> 4).view(torch.int8), ones, p.dtype)
+        ones = torch.ones(packed.shape[:3], dtype=weights.dtype, device=p.device)
+        out = torch.cat([grouped_int8_matmul(weights, half.view(torch.int8), ones, p.dtype)
+                         for half in (packed & 15, packed >> 4)], dim=-1)  # (B, G, M, d)
         return (out + shift).to(p.dtype)
 
     def dot(self, x, start, stop):
