@@ -134,15 +134,19 @@ class PagedKVCache(RingKVCache):
                              f"{int(here.max()) + 1} were asked for")
         return self.rope[here.to(self.rope.device)]  # (B, T, rope_dim)
 
-    def slots(self, owner, positions, instead=0):
-        """The pool's slots (B, S) of each row's positions (B, S) in owner's blocks, and which of them are
-        held (a negative position, or one in a block freed out of its window, is not: the slot `instead`
-        (B, 1) in its place)."""
-        bs = self.block_size
+    def block_table(self, owner):
+        """The rows' blocks in owner, (B, blocks), in their positions' order: -1 where a row has none (freed
+        out of its window, or past its last)."""
         tables = [self.tables[seq][owner] for seq in self.rows]
         width = max(len(blocks) for blocks in tables)
-        table = torch.tensor([[-1 if b is None else b for b in blocks] + [-1] * (width - len(blocks))
-                              for blocks in tables])  # (B, blocks): -1 none
+        return torch.tensor([[-1 if b is None else b for b in blocks] + [-1] * (width - len(blocks))
+                             for blocks in tables])
+
+    def slots(self, table, positions, instead=0):
+        """The pool's slots (B, S) of each row's positions (B, S) in its blocks (table: block_table's), and
+        which of them are held (a negative position, or one in a block freed out of its window, is not: the
+        slot `instead` (B, 1) in its place)."""
+        bs, width = self.block_size, table.size(1)
         index = (positions // bs).clamp(0, width - 1)
         block = table.gather(1, index)
         held = (block >= 0) & (positions >= 0) & (positions // bs < width)
@@ -155,10 +159,11 @@ class PagedKVCache(RingKVCache):
         layer, owner = attn.layer, self.kv_source[attn.layer]
         B, T = x.shape[:2]
         here = self.row_positions(torch.arange(T))  # (B, T)
+        table = self.block_table(owner)  # (B, blocks)
         if owner == layer and self.whole:
-            self.store_whole(owner, here, attn.cache_entries(x, rope))
+            self.store_whole(owner, table, here, attn.cache_entries(x, rope))
         elif owner == layer:
-            new, _ = self.slots(owner, here)
+            new, _ = self.slots(table, here)
             entries = attn.cache_entries(x, rope)
             self.store(owner, new.flatten().to(x.device),
                        {name: e.reshape(1, B * T, *e.shape[2:]) for name, e in entries.items()})
@@ -169,7 +174,7 @@ class PagedKVCache(RingKVCache):
         keys = torch.arange(start, end).expand(B, -1)  # (B, S): the positions read
         keys = torch.where(keys <= here[:, -1:], keys, -1)  # -1 past a row's end: nothing there
         # where a row holds no position, its newest entry, masked: a key RMS of 0 would make keys of 0 / 0
-        slots, held = self.slots(owner, keys, self.slots(owner, here[:, -1:])[0])
+        slots, held = self.slots(table, keys, self.slots(table, here[:, -1:])[0])
         entries = {name: e.view(B, -1, *e.shape[2:])
                    for name, e in self.load(owner, slots.flatten().to(x.device)).items()}
         if self.whole:
@@ -184,13 +189,13 @@ class PagedKVCache(RingKVCache):
         k, v = source.cached_keys_values(rope, **entries)
         return attn.attend(q, k, v, None if prompt else mask)
 
-    def store_whole(self, owner, here, entries):
+    def store_whole(self, owner, table, here, entries):
         """Each row's new entries {name: (B, T, *shape)}: those that make keys into its tail, and every block
         they fill, whole, from the tail into the pool (its slots in order, as the storage's groups fill);
-        the others into their slots."""
+        the others into their slots (table: block_table's)."""
         bs = self.block_size
         self.dtypes.setdefault(owner, {name: e.dtype for name, e in entries.items()})  # as store notes them
-        new, _ = self.slots(owner, here)
+        new, _ = self.slots(table, here)
         B, T = here.shape
         device = next(iter(entries.values())).device
         self.store(owner, new.flatten().to(device),
