@@ -116,7 +116,7 @@ def test_kv_quant_decodes_from_each_storage_beside_the_plain_cache(tmp_path, cap
     monkeypatch.setattr(bench, "compiled_step", last_logits)
     out = tmp_path / "bench.json"
     bench.main(["--preset=tiny", "--device=cpu", "--only=decode", "--attn=lrkv", "--contexts=32",
-                "--kv_quant=none,int8,int4", f"--out={out}"])
+                "--kv_quant=none,int8,int4", "--compiled_decode", f"--out={out}"])
     result = strict_json(out.read_text())
     assert result["decode"]["kv_quant"] == ["none", "int8", "int4"]
     dtype = getattr(torch, result["decode"]["dtype"])

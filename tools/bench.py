@@ -527,9 +527,10 @@ def main(argv=None):
                         help=", ".join(DEVICES) + " (default: cuda where there is one, else cpu)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.compile the training step (default: on CUDA)")
-    parser.add_argument("--compiled_decode", action=argparse.BooleanOptionalAction, default=True,
-                        help="also time the compiled fixed-shape decode step (compiling takes seconds to "
-                             "minutes)")
+    parser.add_argument("--compiled_decode", action=argparse.BooleanOptionalAction, default=None,
+                        help="also time the compiled fixed-shape decode step (default: on CUDA, whose "
+                             "kernel launches its CUDA graphs save; on a CPU its compiling, seconds to "
+                             "minutes, costs more than it saves)")
     parser.add_argument("--check", action="store_true",
                         help="also check flash attention and cached decoding; on a GPU, record which "
                              "attention kernels training runs and time MHA with each SDPA backend")
@@ -581,6 +582,7 @@ def main(argv=None):
     block_size = max(GPTConfig(**preset["model"]).block_size, *preset["contexts"])
     preset["model"] = {**preset["model"], "block_size": block_size}
     compile = device.type == "cuda" if args.compile is None else args.compile
+    compiled_decode = device.type == "cuda" if args.compiled_decode is None else args.compiled_decode
     (dtype, _), (ns_dtype, _), (decode_dtype, _) = policy.values()
     log("precision: " + ", ".join(f"{use} {PRECISION_NAMES[d]} ({why})" for use, (d, why) in policy.items()))
     if device.type == "cuda":
@@ -643,7 +645,7 @@ def main(argv=None):
                 result["variants"][attn]["decode"] = decode_rows
             save(result, args.out)
         configs = {attn: GPTConfig(attn=attn, **preset["model"]) for attn in result["variants"]}
-        decoded = bench_decode(configs, preset, device, decode_dtype, args.compiled_decode, measured,
+        decoded = bench_decode(configs, preset, device, decode_dtype, compiled_decode, measured,
                                args.random_caches, args.kv_quant)
         # every row against MHA's at its batch size and context, with the first storage named
         baseline = {(m["batch_size"], m["context"]): m for m in decoded[BASELINE][0]
