@@ -154,6 +154,7 @@ def test_kv_quant_decodes_from_each_storage_beside_the_plain_cache(tmp_path, cap
                             "comma-separated"),
     ("--contexts=6,64", "--contexts: 6 is too short: the preset decodes 4 + 2 tokens after a prompt, "
                         "so at least 7"),
+    ("--shared_prefix=-1", "--shared_prefix=-1: must be 0 or more tokens"),
 ])
 def test_bad_decode_flags_are_refused_in_one_line(flag, message, tmp_path, capsys):
     out = tmp_path / "bench.json"
@@ -163,6 +164,25 @@ def test_bad_decode_flags_are_refused_in_one_line(flag, message, tmp_path, capsy
     error = capsys.readouterr().err.splitlines()[-1]
     assert error.endswith(f": error: {message}")
     assert not out.exists()
+
+
+def test_a_shared_prefix_is_shared_where_the_engine_shares_and_computed_again_where_not(tmp_path, capsys):
+    """--shared_prefix=16: every serving prompt begins with the same block of 16 tokens, which each request
+    after the first takes from the first's blocks (bf16 and int8; int4's blocks are its key groups of 64,
+    which no prompt here fills); with --no-share_prefixes, none does; the workload and the table say so."""
+    for flag, shared in (("--share_prefixes", True), ("--no-share_prefixes", False)):
+        out = tmp_path / f"bench{flag}.json"
+        bench.main(["--preset=tiny", "--device=cpu", "--only=serve", "--attn=lrkv", "--shared_prefix=16", flag,
+                    f"--out={out}"])
+        result = strict_json(out.read_text())
+        w = result["serve"]["workload"]
+        assert (w["shared_prefix"], w["share_prefixes"]) == (16, shared)
+        requests = w["requests"]
+        for name, row in result["serve"]["variants"].items():
+            plain, int8, int4 = (r["shared_tokens"] for r in row["serve"])
+            assert (plain, int8, int4) == ((16 * (requests - 1),) * 2 if shared else (0, 0)) + (0,), name
+        said = "blocks shared" if shared else "blocks not shared"
+        assert f"every prompt after the same 16 tokens, {said}" in capsys.readouterr().out
 
 
 def test_peaks_measures_both_ceilings_per_thread_count(tmp_path, capsys):

@@ -1,7 +1,7 @@
 """Many sequences at once: rows at different positions through model.py's forward (ring.py's left-padded
 rows) against each row alone; lib/attention/paged.py's paged cache and lib/attention/engine.py's continuous
 batching against each prompt decoded alone with the plain cache, for every variant, layout and storage,
-preempted too; bad input in one line."""
+preempted too, and contexts that begin alike sharing their blocks; bad input in one line."""
 
 import pytest
 import torch
@@ -129,6 +129,66 @@ def test_a_full_pool_preempts_and_recomputes_to_the_same_tokens(attn):
         got, engine = serve(model, blocks_for(probe, 40 + 16, 16) * probe.block_bytes, new=16)
         assert got == [alone(model, prompt, 16) for prompt in prompts(LENGTHS)], layout
         assert engine.stats["preemptions"] > 0, layout
+
+
+# contexts that begin alike: two of a 13-token beginning and different ends, that beginning itself, one of
+# its first 9 tokens, a copy of one of the others, and one of its own; and one whose second block of 4
+# tokens is that of another (OTHER), after a first block of BEGINNING's: the same tokens after different
+# ones make other entries, and are not shared
+BEGINNING, OTHER = prompts([13], seed=1)[0], [9, 9, 9, 9, 4, 4, 4, 4, 1, 2]
+SHARING = [BEGINNING + [3, 1], OTHER, BEGINNING + [7], BEGINNING, BEGINNING[:9] + [2, 2, 5],
+           BEGINNING[:4] + OTHER[4:], BEGINNING + [3, 1], prompts([11], seed=2)[0]]
+
+
+@pytest.mark.parametrize("storage", [RingKVCache, Int8KVCache, Int4Groups4], ids=["plain", "int8", "int4"])
+@pytest.mark.parametrize("attn", ["mha", "lrkv", "mla"])
+def test_requests_whose_contexts_begin_alike_share_those_blocks_and_decode_as_alone(attn, storage):
+    """SHARING's requests through a pool that holds two at a time (blocks of 4 positions): those that join
+    once another with the same beginning has written it take its blocks (engine.stats' shared_tokens), and
+    every request's greedy tokens are still its prompt's alone through a cache of the same storage, with
+    shared keys, and with windows of 5 (int4: 64 positions and no window, as above), whose first blocks go
+    back before a later request joins, so that it shares none."""
+    for layout, knobs in list(LAYOUTS.items())[:2 if storage is Int4Groups4 else 3]:
+        model = tiny_model(attn, n_layer=2, block_size=64, **knobs)
+        length = 64 if storage is Int4Groups4 else None
+        engine = Engine(model, model.kv_cache_bytes(2, 32, torch.float32, storage), storage, torch.float32,
+                        block_size=4, chunk=16)
+        got = engine.generate(SHARING, NEW)
+        assert got == [alone(model, prompt, NEW, storage, length) for prompt in SHARING], layout
+        assert (engine.stats["shared_tokens"] > 0) == (layout != "window"), layout
+        assert engine.cache.held_bytes() == 0, layout
+        assert not engine.cache.prefixes and not engine.cache.holders, layout
+
+
+def test_a_shared_block_is_held_until_the_last_sequence_holding_it_lets_it_go():
+    """publish makes a sequence's whole blocks findable by their tokens and all before them; attach gives a
+    new sequence the longest run its tokens begin with, short of their last; released, a shared block stays
+    with the sequences still holding it, and goes back to the pool with the last."""
+    model = tiny_model("mha", n_layer=2, block_size=64)
+    cache = PagedKVCache(model, 10**6, torch.float32, block_size=4)
+    tokens, other = prompts([10])[0], [9, 9, 9, 9, 4, 4, 4, 4, 1, 2]
+    with torch.no_grad():
+        for seq, context in (("a", tokens), ("z", other)):
+            assert cache.attach(seq, context) == 0 and cache.grow(seq, 10)  # nothing of it published yet
+            cache.select([seq])
+            model(torch.tensor([context]), cache=cache)
+            cache.publish(seq, context)  # 10 positions: blocks 0 and 1 whole, block 2 not
+    assert cache.attach("b", tokens + [5]) == 8 and cache.attach("c", tokens[:5]) == 4
+    assert cache.attach("d", tokens[:4]) == 0 and cache.attach("e", [tokens[0] + 1] + tokens[1:]) == 0
+    assert cache.attach("x", tokens[:4] + other[4:]) == 4  # z's second block, after other tokens: not it
+    cache.release("z")
+    for owner in cache.sources:
+        assert cache.tables["b"][owner] == cache.tables["a"][owner][:2]
+        assert cache.tables["c"][owner] == cache.tables["a"][owner][:1]
+    held = cache.held_bytes()
+    assert held == 3 * len(cache.sources) * cache.block_bytes  # a's three blocks a layer, shared
+    cache.release("a")
+    assert cache.held_bytes() == 2 * len(cache.sources) * cache.block_bytes
+    assert cache.attach("f", tokens) == 8  # still found: b holds them
+    for seq in "bcfx":
+        cache.release(seq)
+    assert cache.held_bytes() == 0 and len(cache.free) == cache.n_blocks
+    assert not cache.prefixes and not cache.prefix_of and not cache.holders
 
 
 def test_the_pool_holds_a_sequences_blocks_and_a_window_gives_back_what_falls_out_of_it():

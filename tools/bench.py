@@ -560,8 +560,16 @@ def main(argv=None):
                         help="single-token steps per round and variant in decoding (default: the preset's)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="training autocast, Newton-Schulz and decoding; auto: the policy's for each")
+    parser.add_argument("--shared_prefix", type=int, default=0,
+                        help="serving: every request's prompt after the same this many tokens (a system "
+                             "prompt, say) (default: 0)")
+    parser.add_argument("--share_prefixes", action=argparse.BooleanOptionalAction, default=True,
+                        help="serving: the engine shares the blocks of contexts that begin alike "
+                             "(default: on)")
     parser.add_argument("--out", default="out/bench.json")
     args = parser.parse_args(argv)
+    if args.shared_prefix < 0:
+        parser.error(f"--shared_prefix={args.shared_prefix}: must be 0 or more tokens")
     try:
         device = pick_device(args.device)
         check_writable(args.out)  # before the measuring, not after it
@@ -671,7 +679,7 @@ def main(argv=None):
         models = {attn: inference_model(GPTConfig(attn=attn, **preset["model"]), device, serve.DTYPE)
                   for attn in result["variants"]}
         result["serve"] = serve.bench_serve(models, serve.WORKLOADS[args.preset], device, log,
-                                            lambda: clock(device))
+                                            lambda: clock(device), args.shared_prefix, args.share_prefixes)
         save(result, args.out)
     print(markdown(result))
     log(f"wrote {args.out}; {time.perf_counter() - T0:.0f} s in all")

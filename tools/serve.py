@@ -42,12 +42,14 @@ BATCH1 = ("mha",)  # the variants whose requests also go through batch-1 generat
 ROUNDS = 3  # of batch-1 and of BATCH1's plain cache through the engine, in turn (bench_serve)
 
 
-def workload(spec, vocab_size, seed=0):
-    """(prompts, outputs): the seeded requests, each prompt a list of random token ids."""
+def workload(spec, vocab_size, seed=0, shared_prefix=0):
+    """(prompts, outputs): the seeded requests, each prompt a list of random token ids, after the same
+    shared_prefix ones (a system prompt, say) where it is not 0."""
     g = torch.Generator().manual_seed(seed)
     lengths, outputs = (torch.randint(low, high + 1, (spec["requests"],), generator=g).tolist()
                         for low, high in (spec["prompt"], spec["output"]))
-    return [torch.randint(vocab_size, (n,), generator=g).tolist() for n in lengths], outputs
+    prefix = torch.randint(vocab_size, (shared_prefix,), generator=torch.Generator().manual_seed(seed + 1))
+    return [prefix.tolist() + torch.randint(vocab_size, (n,), generator=g).tolist() for n in lengths], outputs
 
 
 def budget_bytes(mha, spec):
@@ -58,20 +60,24 @@ def budget_bytes(mha, spec):
 
 
 @torch.inference_mode()
-def bench_serve(models, spec, device, log, clock=time.perf_counter):
+def bench_serve(models, spec, device, log, clock=time.perf_counter, shared_prefix=0, share_prefixes=True):
     """{variant: {"serve": rows, "batch1": row or None}}: models {variant: model} in DTYPE, the first MHA
-    (the budget's); clock: seconds (tools/bench.py's: CPU time at one thread)."""
-    prompts, outputs = workload(spec, next(iter(models.values())).config.vocab_size)
+    (the budget's); clock: seconds (tools/bench.py's: CPU time at one thread); shared_prefix: the tokens
+    every prompt begins with (workload), share_prefixes: the engine's."""
+    vocab_size = next(iter(models.values())).config.vocab_size
+    prompts, outputs = workload(spec, vocab_size, shared_prefix=shared_prefix)
     budget = budget_bytes(next(iter(models.values())), spec)
     result = {}
     for attn, model in models.items():
         def serve(storage):
-            engine = Engine(model, budget, cache_class(storage), DTYPE, clock=clock)
+            engine = Engine(model, budget, cache_class(storage), DTYPE, clock=clock,
+                            share_prefixes=share_prefixes)
             engine.generate(prompts, outputs)
             s, cache = engine.stats, engine.cache
             row = dict(kv_quant=storage, budget_bytes=budget, peak_in_flight=s["peak_in_flight"],
                        tokens_per_s=s["new_tokens"] / s["seconds"], seconds=s["seconds"],
                        mean_ms_per_token=1000 * s["mean_s_per_token"], preemptions=s["preemptions"],
+                       shared_tokens=s["shared_tokens"],
                        bytes_per_token=cache.block_bytes * len(cache.sources) / cache.block_size)
             log(f"{attn}, {storage}: {row['tokens_per_s']:,.0f} tokens/s, at most "
                 f"{s['peak_in_flight']} in flight, {s['preemptions']} preempted")
@@ -89,7 +95,8 @@ def bench_serve(models, spec, device, log, clock=time.perf_counter):
                                for runs in (plain, alone))
         result[attn] = dict(serve=rows, batch1=batch1)
     return dict(workload=dict(spec, new_tokens=sum(outputs), prompt_tokens=sum(map(len, prompts)),
-                              budget_bytes=budget, dtype=str(DTYPE).removeprefix("torch."), rounds=ROUNDS),
+                              budget_bytes=budget, dtype=str(DTYPE).removeprefix("torch."), rounds=ROUNDS,
+                              shared_prefix=shared_prefix, share_prefixes=share_prefixes),
                 variants=result)
 
 
@@ -111,10 +118,13 @@ def markdown(serve):
              f"{w['prompt_tokens']:,} in all; outputs {w['output'][0]}-{w['output'][1]}, {w['new_tokens']:,} "
              f"in all), one KV budget of {w['budget_bytes'] / 2**20:.2f} MiB ({w['budget_sequences']} MHA "
              f"sequences of the mean length, {w['dtype']}); x MHA: against MHA's {w['dtype']} cache; "
-             f"batch-1 and the {w['dtype']} rows of {', '.join(BATCH1)}: the median of {w['rounds']} runs in turn",
+             f"batch-1 and the {w['dtype']} rows of {', '.join(BATCH1)}: the median of {w['rounds']} runs in "
+             "turn"
+             + (f"; every prompt after the same {w['shared_prefix']} tokens, blocks "
+                f"{'shared' if w['share_prefixes'] else 'not shared'}" if w["shared_prefix"] else ""),
              "", "| variant | cache | bytes/token | peak in flight | x MHA | tokens/s | x MHA | x batch-1 | "
-                 "ms/token | preempted | batch-1 tokens/s |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                 "ms/token | preempted | shared tokens | batch-1 tokens/s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     base = mha["serve"][0]
     for attn, v in variants.items():
         batch1 = v["batch1"]["tokens_per_s"] if v["batch1"] else None
@@ -124,7 +134,7 @@ def markdown(serve):
                          f"{r['peak_in_flight'] / base['peak_in_flight']:.2f} | {r['tokens_per_s']:,.0f} | "
                          f"{r['tokens_per_s'] / base['tokens_per_s']:.2f} | "
                          + (f"{r['tokens_per_s'] / batch1:.1f} | " if batch1 else "- | ")
-                         + f"{r['mean_ms_per_token']:.1f} | {r['preemptions']} | "
+                         + f"{r['mean_ms_per_token']:.1f} | {r['preemptions']} | {r['shared_tokens']:,} | "
                          + (f"{batch1:,.0f} |" if batch1 else "- |"))
     return "\n".join(lines)
 

@@ -12,14 +12,16 @@ of token lists in the prompts' order. A request waits, then runs, then leaves. E
      request, which its next tokens will soon need;
   2. prefill: joined requests' contexts go into the cache, at most `chunk` tokens a step in all, so
      that a long prompt takes several steps (its chunks) and running requests keep decoding between
-     them; a context's last chunk gives its first new token;
+     them; a context's last chunk gives its first new token. A context that begins as one already in
+     the cache did takes those blocks instead of its first chunks, shared (paged.py's attach), where
+     their writer has published them (after each forward);
   3. decode: every request whose context is in takes one more token, all of them in one forward.
 
 Where the pool lacks a block for a request's next tokens, the newest running request is preempted:
 its blocks go back, and it waits again first in line, to be recomputed (its prompt and the tokens it
 has so far prefilled again) when it fits. A request leaves when it has its max_new_tokens, its blocks
-back to the pool. Every forward goes through the plain cached path (model.py's forward over the paged
-cache), which every variant and layout decodes exactly.
+back to the pool. Every forward is model.py's over the paged cache (the plain cached path, or for one
+token a row LRKV's and MLA's exact steps), which every variant and layout decodes exactly.
 """
 
 import time
@@ -55,12 +57,14 @@ class Request:
 class Engine:
     """Continuous batching over a paged cache of kv_budget_bytes (the module's docstring). storage: a
     cache class of quant.CACHES (plain, int8, int4), paged; dtype: the cache's (the weights' by default);
-    chunk: the prefill tokens a step; clock: seconds (tools/bench.py's: CPU time at one thread). stats,
-    after generate: peak_in_flight, preemptions, forwards, seconds, new_tokens, mean_s_per_token."""
+    chunk: the prefill tokens a step; clock: seconds (tools/bench.py's: CPU time at one thread);
+    share_prefixes: a context's beginning shared where another's was the same. stats, after generate:
+    peak_in_flight, preemptions, forwards, shared_tokens (context tokens not computed again), seconds,
+    new_tokens, mean_s_per_token."""
 
     def __init__(self, model, kv_budget_bytes, storage=RingKVCache, dtype=None, block_size=16, chunk=256,
-                 clock=time.perf_counter):
-        self.model, self.chunk, self.clock = model, chunk, clock
+                 clock=time.perf_counter, share_prefixes=True):
+        self.model, self.chunk, self.clock, self.share_prefixes = model, chunk, clock, share_prefixes
         self.cache = paged_cache_class(storage)(model, kv_budget_bytes, dtype, block_size=block_size)
         self.stats = {}
 
@@ -94,7 +98,7 @@ class Engine:
         self.check(prompts, max_new_tokens)
         waiting = deque(Request(i, *request) for i, request in enumerate(zip(prompts, max_new_tokens)))
         running, done, per_token = [], {}, []  # running: oldest first; per_token: each request's seconds
-        stats = self.stats = dict(peak_in_flight=0, preemptions=0, forwards=0, new_tokens=0)
+        stats = self.stats = dict(peak_in_flight=0, preemptions=0, forwards=0, shared_tokens=0, new_tokens=0)
         begin = self.clock()
 
         def draw(logits):  # (B, vocab) -> (B,) the next tokens
@@ -106,6 +110,9 @@ class Engine:
             for request in [r for r in running if r.to_prefill()]:
                 if budget == 0:
                     break
+                if self.share_prefixes and request.cached == 0:  # its first chunk: the blocks of its
+                    request.cached = self.cache.attach(request.id, request.context())  # beginning others wrote
+                    stats["shared_tokens"] += request.cached
                 n = min(budget, request.to_prefill())
                 if request in running and self.make_room(request, n, waiting, running):  # not preempted
                     budget -= n
@@ -162,6 +169,8 @@ class Engine:
         self.stats["forwards"] += 1
         for request in requests:
             request.cached += T
+            if self.share_prefixes:
+                self.cache.publish(request.id, request.context())
         if last:
             for request, token in zip(requests, draw(logits).tolist()):
                 request.out.append(token)

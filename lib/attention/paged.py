@@ -19,6 +19,13 @@ that make keys (quant.KEYS) over groups of `group` consecutive slots (quant.Int4
 sequence's `tail`, in full precision (KIVI's residual, one for each sequence), and reads of them come
 from there; its other entries are stored as they come.
 
+Sequences whose contexts begin alike share the blocks of that beginning (nano-vllm's block hashes, vLLM's
+prefix caching): the same tokens at the same positions leave the same entries, so a block a sequence has
+written whole can hold another's too. publish makes a sequence's written blocks findable by their tokens
+and all the tokens before them; attach gives a new sequence the longest run of them that its context
+begins with, short of its last token; a block goes back to the pool when the last sequence holding it lets
+it go, and is no longer found from then on.
+
 A forward runs the sequences select chose, each at its own position (model.py's row_positions): row b's
 T new tokens are its positions lengths[b]..lengths[b] + T - 1, and its queries attend over its own
 positions alone, gathered from its blocks, as ring.visible of each row's positions allows; one token a
@@ -75,6 +82,11 @@ class PagedKVCache(RingKVCache):
         self.tail_blocks = -(-tail_bytes // self.block_bytes) if self.whole else 0
         self.reserved = {}  # sequence: the blocks its tails take
         self.rows = []
+        self.holders = {}  # block: how many sequences hold it (several: a shared prefix's)
+        # published blocks: (the node before, a block's tokens) -> (node, {owner: block}), a node numbered
+        # once and never again, so that a key never names blocks other than the ones published under it
+        self.prefixes, self.published, self.nodes = {}, {}, 0  # published: sequence -> (blocks, last node)
+        self.prefix_of = {}  # block: its key in prefixes
 
     def length(self, layer):  # the pool's slots for every owner; none before the pool is made
         return self.n_blocks * self.block_size if self.paged and layer in self.sources else 0
@@ -94,22 +106,77 @@ class PagedKVCache(RingKVCache):
         if self.blocks_needed(seq, T) > len(self.free):
             return False
         if seq not in self.tables:
-            self.reserved[seq] = [self.free.pop() for _ in range(self.tail_blocks)]
-        table = self.tables.setdefault(seq, {owner: [] for owner in self.sources})
-        self.lengths.setdefault(seq, 0)
+            self.start(seq, {owner: [] for owner in self.sources})
         last = self.lengths[seq] + T - 1
-        for blocks in table.values():
+        for blocks in self.tables[seq].values():
             while len(blocks) <= last // self.block_size:
                 blocks.append(self.free.pop())
+                self.holders[blocks[-1]] = 1
         return True
 
+    def start(self, seq, table):
+        """A new sequence holding table's blocks ({owner: [block]}, whole), its tails' blocks reserved."""
+        self.reserved[seq] = [self.free.pop() for _ in range(self.tail_blocks)]
+        self.tables[seq], self.lengths[seq] = table, len(next(iter(table.values()))) * self.block_size
+
+    def let_go(self, block):
+        """A sequence no longer holds block: back to the pool, and no longer found, once none holds it."""
+        self.holders[block] -= 1
+        if self.holders[block] == 0:
+            del self.holders[block]
+            self.free.append(block)
+            if block in self.prefix_of:  # the blocks published with it are not found either
+                for other in self.prefixes.pop(self.prefix_of[block])[1].values():
+                    del self.prefix_of[other]
+
     def release(self, seq):
-        """seq has ended (or is preempted): all its blocks back to the pool."""
+        """seq has ended (or is preempted): all its blocks let go (back to the pool unless shared)."""
         for blocks in self.tables.pop(seq, {}).values():
-            self.free.extend(block for block in blocks if block is not None)
+            for block in blocks:
+                if block is not None:
+                    self.let_go(block)
         self.lengths.pop(seq, None)
         self.tails.pop(seq, None)
+        self.published.pop(seq, None)
         self.free.extend(self.reserved.pop(seq, []))
+
+    def publish(self, seq, tokens):
+        """seq's blocks written whole made findable by attach, each under its tokens and the node of the block
+        before it; tokens: seq's context, of which the cache holds the first lengths[seq]. A block that a
+        window has given back ends what can be found."""
+        bs, table = self.block_size, self.tables[seq]
+        done, node = self.published.get(seq, (0, -1))
+        for i in range(done, min(len(tokens), self.lengths[seq]) // bs):
+            owned = {owner: blocks[i] for owner, blocks in table.items()}
+            key = (node, tuple(tokens[i * bs:(i + 1) * bs]))
+            if None in owned.values():
+                break
+            if key not in self.prefixes:  # else another's blocks of the same tokens (this seq's, attached)
+                self.prefixes[key] = (self.nodes, owned)
+                self.prefix_of.update((block, key) for block in owned.values())
+                self.nodes += 1
+            node, done = self.prefixes[key][0], i + 1
+        self.published[seq] = done, node
+
+    def attach(self, seq, tokens):
+        """A new seq whose context is tokens begins with the longest run of published blocks that its tokens
+        begin with, short of the last token (whose logits a forward must still give), shared: the positions
+        they hold (0 where none, or where the pool lacks the blocks of its tails)."""
+        bs, node, run = self.block_size, -1, []
+        for i in range((len(tokens) - 1) // bs):
+            found = self.prefixes.get((node, tuple(tokens[i * bs:(i + 1) * bs])))
+            if found is None:
+                break
+            node, owned = found
+            run.append(owned)
+        if not run or len(self.free) < self.tail_blocks:
+            return 0
+        for owned in run:
+            for block in owned.values():
+                self.holders[block] += 1
+        self.start(seq, {owner: [owned[owner] for owned in run] for owner in self.sources})
+        self.published[seq] = len(run), node
+        return len(run) * bs
 
     def held_bytes(self):
         """The bytes of the blocks sequences hold now."""
@@ -249,7 +316,7 @@ class PagedKVCache(RingKVCache):
                 dead = (self.lengths[seq] - self.span[owner] + 1) // self.block_size  # blocks wholly before
                 for i in range(min(dead, len(blocks))):
                     if blocks[i] is not None:
-                        self.free.append(blocks[i])
+                        self.let_go(blocks[i])
                         blocks[i] = None
 
 
