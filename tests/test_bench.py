@@ -172,8 +172,8 @@ def test_a_shared_prefix_is_shared_where_the_engine_shares_and_computed_again_wh
     which no prompt here fills); with --no-share_prefixes, none does; the workload and the table say so."""
     for flag, shared in (("--share_prefixes", True), ("--no-share_prefixes", False)):
         out = tmp_path / f"bench{flag}.json"
-        bench.main(["--preset=tiny", "--device=cpu", "--only=serve", "--attn=lrkv", "--shared_prefix=16", flag,
-                    f"--out={out}"])
+        bench.main(["--preset=tiny", "--device=cpu", "--only=serve", "--attn=lrkv", "--shared_prefix=16",
+                    flag, f"--out={out}"])
         result = strict_json(out.read_text())
         w = result["serve"]["workload"]
         assert (w["shared_prefix"], w["share_prefixes"]) == (16, shared)

@@ -111,7 +111,8 @@ class Engine:
                 if budget == 0:
                     break
                 if self.share_prefixes and request.cached == 0:  # its first chunk: the blocks of its
-                    request.cached = self.cache.attach(request.id, request.context())  # beginning others wrote
+                    # beginning that others wrote, shared
+                    request.cached = self.cache.attach(request.id, request.context())
                     stats["shared_tokens"] += request.cached
                 n = min(budget, request.to_prefill())
                 if request in running and self.make_room(request, n, waiting, running):  # not preempted
