@@ -148,9 +148,9 @@ class PagedKVCache(RingKVCache):
         done, node = self.published.get(seq, (0, -1))
         for i in range(done, min(len(tokens), self.lengths[seq]) // bs):
             owned = {owner: blocks[i] for owner, blocks in table.items()}
-            key = (node, tuple(tokens[i * bs:(i + 1) * bs]))
             if None in owned.values():
                 break
+            key = (node, tuple(tokens[i * bs:(i + 1) * bs]))
             if key not in self.prefixes:  # else another's blocks of the same tokens (this seq's, attached)
                 self.prefixes[key] = (self.nodes, owned)
                 self.prefix_of.update((block, key) for block in owned.values())

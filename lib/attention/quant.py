@@ -192,19 +192,9 @@ class Int4KVCache(QuantisedKVCache):
 
     def store_entry(self, layer, buffers, name, slots, x):
         if name in KEYS:
-            length, G = self.length(layer), buffers[f"{name}.residual"].size(1)
-            on_host = (torch.is_tensor(slots) and slots.device.type == "cpu"
-                       and not torch.compiler.is_compiling())
-            slots = torch.as_tensor(slots).view(-1)
+            slots = torch.as_tensor(slots, device=x.device).view(-1)
             for t in range(x.size(1)):  # a slot at a time: each may fill a group
-                start, index = divmod(int(slots[t]), G) if on_host else (None, None)
-                if on_host and index + 1 < min(length - start * G, G):
-                    # a slot known on the host that leaves its group unfilled goes to the residual alone,
-                    # as store_key_slot would put it, without requantising the group (63 steps of 64)
-                    buffers[f"{name}.residual"][:, index] = x[:, t].to(self.dtype)
-                    buffers[f"{name}.filling"][:, 0], buffers[f"{name}.filling"][:, 1] = start * G, index + 1
-                else:
-                    self.store_key_slot(buffers, name, length, slots[t:t + 1].to(x.device), x[:, t:t + 1])
+                self.store_key_slot(buffers, name, self.length(layer), slots[t:t + 1], x[:, t:t + 1])
         else:
             low, scale = low_scale(wide(x), token_rows(x.shape[2:]), self.dtype)
             buffers[name][:, slots] = int4_codes(wide(x), low, scale)
@@ -213,13 +203,18 @@ class Int4KVCache(QuantisedKVCache):
     def store_key_slot(self, buffers, name, length, slot, x):
         """One slot (a (1,) tensor) of a key entry, x (B, 1, *shape): into the residual and, where it fills
         its group (the group's last slot, or the last of all), the group quantised per channel from the
-        residual. With no branch on the slot, so that a compiled fixed-shape step runs it as it is."""
+        residual. With no branch on the slot on a device or under torch.compile, so that a compiled
+        fixed-shape step runs it as it is; a slot on the host that leaves its group unfilled (63 steps of
+        64) stops before the group's quantising, which would change nothing."""
         data, residual, filling = buffers[name], buffers[f"{name}.residual"], buffers[f"{name}.filling"]
         G = residual.size(1)
         start = slot - slot % G  # (1,): the group's first slot
         index = slot - start  # (1,): the slot's place in the group
         residual[:, index] = x.to(residual.dtype)
         full = index + 1 == torch.clamp(length - start, max=G)  # (1,): the group's last slot
+        filling[:, 0], filling[:, 1] = start, torch.where(full, torch.zeros_like(index), index + 1)
+        if slot.device.type == "cpu" and not torch.compiler.is_compiling() and not full:
+            return
         # per channel over the group's slots filled so far, the first standing in for the others
         held = (torch.arange(G, device=slot.device) <= index).view(1, G, *[1] * (residual.dim() - 2))
         values = torch.where(held, wide(residual), wide(residual[:, :1]))  # (B, G, *shape)
@@ -230,7 +225,6 @@ class Int4KVCache(QuantisedKVCache):
         group_slots = start + torch.arange(G, device=slot.device)  # (G,): inside the padded codes
         full_here = full.view(1, 1, *[1] * (data.dim() - 2))
         data[:, group_slots] = torch.where(full_here, int4_codes(values, low, scale), data[:, group_slots])
-        filling[:, 0], filling[:, 1] = start, torch.where(full, torch.zeros_like(index), index + 1)
 
     def load(self, layer, slots):  # the slots as an index (S,), for the groups' arithmetic
         return super().load(layer, torch.arange(self.length(layer), device=self.rope.device)[slots])
