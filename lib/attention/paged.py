@@ -36,15 +36,16 @@ import math
 
 import torch
 
-from lib.attention.decode import lrkv_step, mla_step, step_for
+from lib.attention.decode import gqa_step, lrkv_step, mla_step, step_for
 from lib.attention.quant import KEYS
 from lib.attention.ring import RingKVCache, visible
 
-# The single-token steps that one token a row decodes by: LRKV's and MLA's, which build no cached
-# position's key (decode.py), where the plain path rebuilds them all, and whose scores are (B, H, S), so
-# that a mask (B, 1, S) gives each row its own positions. Every other variant decodes by the plain path
-# below (MHA's, GQA's and MQA's reads their cached keys as they are, through SDPA)
-ROW_MASK_STEPS = {lrkv_step, mla_step}
+# The single-token steps that one token a row decodes by, whose scores are (B, H, S), so that a mask
+# (B, 1, S) gives each row its own positions: LRKV's and MLA's, which build no cached position's key
+# (decode.py), where the plain path rebuilds them all; MHA's, GQA's and MQA's, whose softmax written out
+# for one query (decode.reference_step) costs half of SDPA's kernel with a mask on a CPU. Every other
+# variant decodes by the plain path below
+ROW_MASK_STEPS = {gqa_step, lrkv_step, mla_step}
 
 
 class PagedKVCache(RingKVCache):

@@ -32,7 +32,7 @@ import math
 
 import torch
 
-from lib.attention.ring import RingKVCache
+from lib.attention.ring import RingKVCache, gather
 
 KEPT = ("rho",)  # entries stored as they are, in the cache's dtype (above)
 # the entries that make keys, which Int4KVCache quantises per channel: GQA's keys, LRKV's shared key
@@ -95,7 +95,7 @@ class QuantisedKVCache(RingKVCache):
     def load(self, layer, slots):
         buffers, out = self.layers[layer], {}
         for name, dtype in self.dtypes[layer].items():
-            x = buffers[name][:, slots] if name in KEPT else self.load_entry(buffers, name, slots)
+            x = gather(buffers[name], slots) if name in KEPT else self.load_entry(buffers, name, slots)
             out[name] = x.to(dtype)
         return out
 
@@ -128,8 +128,8 @@ class Int8KVCache(QuantisedKVCache):
         buffers[f"{name}.scale"][:, slots] = scale
 
     def load_entry(self, buffers, name, slots):
-        scale = wide(buffers[f"{name}.scale"][:, slots])
-        return buffers[name][:, slots].to(scale.dtype) * scale
+        scale = wide(gather(buffers[f"{name}.scale"], slots))
+        return gather(buffers[name], slots).to(scale.dtype) * scale
 
     def codes(self, buffers, name, S, dtype):
         return Int8Codes(self, buffers, name, S, dtype)
@@ -237,12 +237,11 @@ class Int4KVCache(QuantisedKVCache):
 
     def load_entry(self, buffers, name, index):
         if name not in KEYS:
-            return int4_values(buffers[name][:, index], buffers[f"{name}.low"][:, index],
-                               buffers[f"{name}.scale"][:, index])
+            return int4_values(*(gather(buffers[f"{name}{part}"], index) for part in ("", ".low", ".scale")))
         residual = buffers[f"{name}.residual"]
         groups = index // residual.size(1)
-        values = int4_values(buffers[name][:, index], buffers[f"{name}.low"][:, groups],
-                             buffers[f"{name}.scale"][:, groups])
+        values = int4_values(gather(buffers[name], index), gather(buffers[f"{name}.low"], groups),
+                             gather(buffers[f"{name}.scale"], groups))
         # the slots of the group being filled are the residual's, in full precision
         start, filled = buffers[f"{name}.filling"][0, 0], buffers[f"{name}.filling"][0, 1]
         fresh = ((index >= start) & (index < start + filled)).view(1, -1, *[1] * (values.dim() - 2))

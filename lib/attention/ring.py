@@ -50,6 +50,15 @@ def masked_softmax(scores, mask, dtype):
     return torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(dtype)
 
 
+def gather(buffer, slots):
+    """buffer[:, slots], the read of every storage's load: slots a slice, or an index (S,) gathered by
+    index_select, which on a CPU takes a fifth of advanced indexing's time for the paged pool's rows
+    (batch 1: whole rows of the buffer's first dim, copied as they lie)."""
+    if not torch.is_tensor(slots):
+        return buffer[:, slots]
+    return buffer[0].index_select(0, slots)[None] if buffer.size(0) == 1 else buffer.index_select(1, slots)
+
+
 def slot_positions(length, pos, device=None):
     """(length,): the position each slot of a ring of `length` holds once 0..pos-1 are stored, the
     latest p < pos with p % length == slot; negative for a slot not written yet. pos: an int or a (1,)
@@ -142,6 +151,10 @@ class RingKVCache(KVCache):
         unwrapped = agree and not pending and self.pos + T <= self.length(owner)
         rope = self.rope[:len(columns)] if unwrapped else self.rope[k_pos.clamp(min=0)]
         return self.sources[owner], entries, rope, mask
+
+    def load(self, layer, slots):  # model.py's, by gather
+        return {name: gather(buf, slots).to(self.dtypes[layer][name])
+                for name, buf in self.layers[layer].items()}
 
     def load_codes(self, layer, slots):
         """load's entries, for a step that reads a quantised storage's codes (quant.py's, its own): here the
