@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lib.attention.decode import ExactKVCache, FixedKVCache, exact_step, generate
-from lib.attention.ring import RingKVCache
+from lib.attention.ring import RingKVCache, gather
 from model import VARIANTS, GPTConfig
 from references import TINY, cropped_greedy, naive_forward, tiny_model, token_by_token
 
@@ -139,3 +139,14 @@ def test_bad_windows_and_sharing_are_one_line(overrides, message):
     with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace("[", r"\[")) as error:
         GPTConfig(**overrides)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_gather_reads_the_slots_that_indexing_reads(batch):
+    """ring.gather, every storage's read of slots: a slice or an index (S,), repeated and out of order, over
+    a buffer as it lies and over a permuted view (quant.py's layouts), is buffer[:, slots]."""
+    buffer = torch.randn(batch, 10, 2, 3)
+    permuted = buffer.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # the same values, position last
+    for slots in (slice(2, 7), slice(None), torch.tensor([4, 0, 9, 4]), torch.arange(10)):
+        for b in (buffer, permuted):
+            assert torch.equal(gather(b, slots), buffer[:, slots])
