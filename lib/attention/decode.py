@@ -144,12 +144,18 @@ def reference_step(attn, q, cached, rope, mask, reader=None):
         return reader.attend(q, k, v, mask)
     B, _, H, d_qk = q.shape
     G, S = k.size(2), k.size(1)
-    q = q.view(B, 1, G, H // G, d_qk)  # query head g H/G + j reads key/value head g
-    # products and sums over the cache as it lies, (B, S, G, d): an einsum's GEMMs would first copy it
-    # head-major, for one query each (and SDPA's kernel, with a mask, costs more still on a CPU)
-    scores = (k.unsqueeze(3) * q).sum(-1).permute(0, 2, 3, 1).reshape(B, H, S) / math.sqrt(d_qk)
-    a = masked_softmax(scores, mask, q.dtype).view(B, G, H // G, S)  # a hidden 0 / 0 score masked too
-    return (a.permute(0, 3, 1, 2).unsqueeze(-1) * v.unsqueeze(3)).sum(1).reshape(B, 1, H, -1)
+    if G == H:  # a key head per query head: products and sums over the cache as it lies, (B, S, H, d),
+        # where an einsum's GEMMs would first copy it head-major for one query each (in bf16 each product
+        # is rounded, by at most half a bf16 unit of itself, before the fp32 sum)
+        scores = (k * q).sum(-1).transpose(1, 2) / math.sqrt(d_qk)  # (B, H, S)
+        a = masked_softmax(scores, mask, q.dtype)  # a hidden 0 / 0 score masked too
+        return (a.transpose(1, 2).unsqueeze(-1) * v).sum(1).unsqueeze(1)  # (B, 1, H, d_v)
+    # fewer key heads: query head g H/G + j reads key/value head g, by GEMMs (products as above would be
+    # H/G times the cache)
+    q = q[:, 0].view(B, G, H // G, d_qk)
+    scores = torch.einsum("bgjd,bsgd->bgjs", q, k).reshape(B, H, S) / math.sqrt(d_qk)
+    a = masked_softmax(scores, mask, q.dtype).view(B, G, H // G, S)
+    return torch.einsum("bgjs,bsgd->bgjd", a, v).reshape(B, 1, H, -1)
 
 
 # -----------------------------------------------------------------------------

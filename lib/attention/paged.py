@@ -42,10 +42,11 @@ from lib.attention.ring import RingKVCache, visible
 
 # The single-token steps that one token a row decodes by, whose scores are (B, H, S), so that a mask
 # (B, 1, S) gives each row its own positions: LRKV's and MLA's, which build no cached position's key
-# (decode.py), where the plain path rebuilds them all; MHA's, GQA's and MQA's, whose softmax written out
-# for one query (decode.reference_step) costs half of SDPA's kernel with a mask on a CPU. Every other
-# variant decodes by the plain path below
-ROW_MASK_STEPS = {gqa_step, lrkv_step, mla_step}
+# (decode.py), where the plain path rebuilds them all; and on a CPU, MHA's, GQA's and MQA's, whose softmax
+# written out for one query (decode.reference_step) costs half of SDPA's kernel with a mask there (on a
+# GPU, SDPA's fused kernel). Every other variant decodes by the plain path below
+ROW_MASK_STEPS = {lrkv_step, mla_step}
+CPU_ROW_MASK_STEPS = ROW_MASK_STEPS | {gqa_step}
 
 
 class PagedKVCache(RingKVCache):
@@ -251,7 +252,8 @@ class PagedKVCache(RingKVCache):
         mask = visible(here.to(q.device), k_pos, window).unsqueeze(1)  # (B, 1, T, S)
         source, rope = self.sources[owner], self.rope[start:end]  # every row's positions start..end-1
         step = step_for(attn, source) if T == 1 else None
-        if step in ROW_MASK_STEPS:  # one token a row: its variant's exact step, each row its own mask
+        row_steps = CPU_ROW_MASK_STEPS if q.device.type == "cpu" else ROW_MASK_STEPS
+        if step in row_steps:  # one token a row: its variant's exact step, each row its own mask
             return step(source, q, entries, rope, mask[:, :, 0])  # mask (B, 1, S) against scores (B, H, S)
         prompt = B == 1 and end == T and window is None  # a whole prompt at once: Attention.attend's causal
         k, v = source.cached_keys_values(rope, **entries)

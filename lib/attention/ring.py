@@ -51,11 +51,12 @@ def masked_softmax(scores, mask, dtype):
 
 
 def gather(buffer, slots):
-    """buffer[:, slots], the read of every storage's load: slots a slice, or an index (S,) gathered by
-    index_select, which on a CPU takes a fifth of advanced indexing's time for the paged pool's rows
-    (batch 1: whole rows of the buffer's first dim, copied as they lie)."""
+    """buffer[:, slots], the read of every storage's load: slots a slice, or a 1-D index of slots >= 0
+    gathered by index_select, which on a CPU takes a fifth of advanced indexing's time for the paged
+    pool's rows (its batch of 1: along the buffer's first dim once the batch is dropped)."""
     if not torch.is_tensor(slots):
         return buffer[:, slots]
+    slots = slots.to(buffer.device)
     return buffer[0].index_select(0, slots)[None] if buffer.size(0) == 1 else buffer.index_select(1, slots)
 
 
