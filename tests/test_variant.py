@@ -6,9 +6,10 @@
 - grouped LRKV, one residual for each group of H/G heads, every head its own B_h;
 - LRKV with a softmax of its own: a learned temperature per head, times 1 + layer / 4, in its attend.
 The last four subclass LowRankKVAttention. Each goes through every test of test_model.py,
-test_decode.py, test_convert.py and test_window.py that runs on every variant, with a Reference as
-tests/references.py's REFERENCES hold them (so the softmax of its own through every decoding path and
-layout); the interleaved one also through train.py (a run and its resume), analyze.py and bench.py,
+test_decode.py, test_convert.py, test_window.py and test_serve.py that runs on every variant, with a
+Reference as tests/references.py's REFERENCES hold them (so the softmax of its own through every decoding
+path and layout, and the serving engine's paged cache, which refuses the per-layer ranks in one line);
+the interleaved one also through train.py (a run and its resume), analyze.py and bench.py,
 the per-layer one and the scaled one through train.py and analyze.py. Each gives what README's "Adding
 a variant" asks: its key (and value) weights as methods of its class, its single-token step in
 decode.py's STEPS (or LRKV's, inherited), its conversion in convert.py's table (or none: refused),
@@ -29,9 +30,11 @@ import test_analyze
 import test_convert
 import test_decode
 import test_model
+import test_serve
 import test_window
 import train
 from lib.attention import convert, decode
+from lib.attention.engine import Engine
 from lib.attention.heads import HEAD_KV_WEIGHTS
 from lib.attention.ring import masked_softmax
 import model
@@ -237,17 +240,40 @@ def parameters(test):
     return {mark.args[0]: mark.args[1] for mark in marks if mark.name == "parametrize"}
 
 
-# Every test of test_model.py, test_decode.py, test_convert.py and test_window.py parametrized over
-# every variant: a new variant needs nothing for windows and sharing
-GENERIC_TESTS = [test for module in (test_model, test_decode, test_convert, test_window)
+# test_serve.py's tests of the engine over its paged pool, which pools layers that cache entries of one
+# shape: every variant above but per-layer ranks, which the pool refuses in one line (below)
+PAGED_TESTS = [test_serve.test_every_request_decodes_as_its_prompt_alone,
+               test_serve.test_int4_pages_its_key_groups_as_blocks]
+# Every other test of test_model.py, test_decode.py, test_convert.py, test_window.py and test_serve.py
+# parametrized over every variant: a new variant needs nothing for windows and sharing
+GENERIC_TESTS = [test for module in (test_model, test_decode, test_convert, test_window, test_serve)
                  for name, test in vars(module).items()
-                 if name.startswith("test_") and parameters(test).get("attn") is model.VARIANTS]
+                 if name.startswith("test_") and parameters(test).get("attn") is model.VARIANTS
+                 and test not in PAGED_TESTS]
 
 
 @pytest.mark.parametrize("generic_test", GENERIC_TESTS, ids=lambda test: test.__name__)
 def test_generic_model_tests_pass(generic_test, variant, request):
     """Each generic test on the variant, at every value of its other parameters (--cla's), the rest
     of its arguments fixtures."""
+    run_generic(generic_test, variant, request)
+
+
+@pytest.mark.parametrize("variant", [name for name, (cls, _, _) in VARIANTS.items()
+                                     if cls is not PerLayerRankAttention], indirect=True)
+@pytest.mark.parametrize("paged_test", PAGED_TESTS, ids=lambda test: test.__name__)
+def test_the_engine_serves_every_request_as_alone(paged_test, variant, request):
+    run_generic(paged_test, variant, request)
+
+
+@pytest.mark.parametrize("variant", ["lrkv_per_layer"], indirect=True)
+def test_the_engine_refuses_layers_of_different_cache_shapes_in_one_line(variant):
+    refusal = "^a paged cache pools layers that cache entries of the same shapes$"
+    with pytest.raises(ValueError, match=refusal):
+        Engine(references.tiny_model(variant, n_layer=2), 10**6)
+
+
+def run_generic(generic_test, variant, request):
     assert 1 < references.TINY.n_kv_head < references.TINY.n_head  # else interleaved groups are contiguous
     others = {name: values for name, values in parameters(generic_test).items() if name != "attn"}
     fixtures = [name for name in list(inspect.signature(generic_test).parameters)[1:] if name not in others]
