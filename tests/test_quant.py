@@ -1,10 +1,14 @@
 """lib/attention/quant.py: int8 and int4 storage against quantisers written out here, entry by entry and
 slot by slot (KIVI's key groups filling and wrapping around a ring); every decoding path (the plain cached
 path, the exact steps, the fixed-shape step) on a quantised cache against the plain path on it, for every
-variant with and without shared keys and windows; the bytes at 128M; bad input in one line."""
+variant with and without shared keys and windows; the bytes at 128M; bad input in one line. The stores and
+the steps that read codes run twice where a CPU's C build is at hand (`reads`): through quant.c, and
+through PyTorch's ops alone, as on a machine without a compiler."""
 
 import json
 import math
+import os
+import shutil
 
 import pytest
 import torch
@@ -12,6 +16,7 @@ import torch
 import train
 
 from lib.attention import decode as decode_module
+from lib.attention import quant_c
 from lib.attention.decode import ExactKVCache, FixedKVCache
 from lib.attention.quant import CACHES, KEYS, Int4KVCache, Int8KVCache, cache_class
 from lib.attention.ring import RingKVCache
@@ -37,6 +42,26 @@ class Float16KVCache(RingKVCache):
 LAYOUTS = {"plain": {}, "cla2": dict(cla=2), "window": dict(window=5, window_pattern="SL")}
 
 
+@pytest.fixture(params=["c", "torch"])
+def reads(request, monkeypatch):
+    """quant.c's reads and stores ("c", where this machine builds it), or PyTorch's alone ("torch")."""
+    if request.param == "torch":
+        monkeypatch.setattr(quant_c, "takes", lambda *tensors: False)
+    elif quant_c.library() is None:
+        pytest.skip("no C compiler builds quant.c here (test_quant_c_builds_where_a_compiler_is says so)")
+    return request.param
+
+
+def test_quant_c_builds_where_a_compiler_is(tmp_path, monkeypatch):
+    """Where the system has a C compiler, quant.c builds and loads; without one (or with LRKV_C_KERNELS=0)
+    none is built, nothing is left behind, and quant.py's PyTorch reads stand in."""
+    if shutil.which(os.environ.get("CC", "cc")):
+        assert quant_c.library() is not None
+    monkeypatch.setenv("CC", str(tmp_path / "no-compiler"))
+    assert quant_c.build(str(tmp_path), str(tmp_path / "quant.so")) is None
+    assert list(tmp_path.iterdir()) == []
+
+
 def int8_reference(x, dtype):
     """Symmetric absmax per row (the last dim), the scale rounded to dtype as stored."""
     scale = (x.abs().amax(-1, keepdim=True) / 127).to(dtype).float()
@@ -60,7 +85,7 @@ class Cache:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_int8_stores_each_row_as_its_absmax_quantiser(dtype):
+def test_int8_stores_each_row_as_its_absmax_quantiser(dtype, reads):
     shapes = {"k": (2, 8), "rho": (2,), "c": (6,)}
     cache = Cache(Int8KVCache, shapes, 7, dtype=dtype).cache
     entries = {name: torch.randn(2, 3, *shape) for name, shape in shapes.items()}
@@ -71,7 +96,7 @@ def test_int8_stores_each_row_as_its_absmax_quantiser(dtype):
         assert torch.equal(loaded[name], expected), name
 
 
-def test_int4_stores_values_per_token_and_keys_per_channel_over_groups_as_they_fill_and_wrap():
+def test_int4_stores_values_per_token_and_keys_per_channel_over_groups_as_they_fill_and_wrap(reads):
     """A ring of 10 slots, key groups of 4 (slots 0-3, 4-7, 8-9), written one position at a time for 23
     positions, and once a chunk of 3: after every write, a slot whose group has filled since the slot was
     written holds the group's per-channel quantisation (over the values its slots held then); any other
@@ -141,12 +166,12 @@ def test_every_path_decodes_a_quantised_cache_as_the_plain_path_does(attn, cls):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cls", [Int8KVCache, Int4Groups4], ids=["int8", "int4"])
 @pytest.mark.parametrize("attn", ["mha", "gqa", "mqa", "lrkv", "mla"])
-def test_the_steps_that_read_codes_give_what_they_give_on_the_dequantised_entries(attn, cls, dtype,
+def test_the_steps_that_read_codes_give_what_they_give_on_the_dequantised_entries(attn, cls, dtype, reads,
                                                                                    monkeypatch):
     """At every step of a decode (with --cla=2 and windows, the exact and the fixed-shape path), a step of
-    decode.CODE_STEPS handed the cache's codes (quant.Codes, its kernels: int8_matmul in fp32) gives what it
-    gives on load's dequantised entries of the same slots, its plain equation (test_decode.py checks that
-    against reference_step): to fp32 rounding, or to bf16's in a cache of bf16 (without a layout: the
+    decode.CODE_STEPS handed the cache's codes (quant.Codes: quant.c's reads or PyTorch's, `reads`) gives
+    what it gives on load's dequantised entries of the same slots, its plain equation (test_decode.py checks
+    that against reference_step): to fp32 rounding, or to bf16's in a cache of bf16 (without a layout: the
     layouts change which slots are read, not how). 32 positions: in bf16 the kernel reads rows of a whole
     number of 16, the weighted sums' over every slot."""
     idx = torch.randint(0, TINY.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))

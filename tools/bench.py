@@ -66,6 +66,7 @@ from lib.training.checkpoint import check_writable
 from lib.training.configurator import ArgumentParser, ConfigError, run_main
 from lib.attention.decode import (CODE_STEPS, ExactKVCache, FixedKVCache, compiled_step, exact_step, generate,
                                   registered_step)
+from lib.attention import quant_c
 from lib.attention.quant import CACHES, cache_class
 from lib.training.hardware import DEVICES, PRECISION_NAMES, USES, peak_flops, pick_device, precision
 from model import GPT, GPTConfig, VARIANTS
@@ -322,11 +323,14 @@ def bench_decode(configs, preset, device, dtype, compiled, measured=lambda rows:
 
 def read(model, storage):
     """How a decoding step reads a quantised storage: "codes" where the variant's step is one of
-    decode.CODE_STEPS (quant.Codes: the products over the codes), "dequantised" where it takes load's
-    full-precision copy of the cache; None for the plain storage."""
+    decode.CODE_STEPS (quant.Codes: the products over the codes), "codes, C" where quant.c takes them (a
+    CPU with a C compiler), "dequantised" where it takes load's full-precision copy of the cache; None for
+    the plain storage."""
     if storage == "none":
         return None
-    return "codes" if registered_step(model.blocks[0].attn) in CODE_STEPS else "dequantised"
+    if registered_step(model.blocks[0].attn) not in CODE_STEPS:
+        return "dequantised"
+    return "codes, C" if quant_c.takes(model.lm_head.weight) else "codes"
 
 
 def fill_randomly(model, cache, prompt):

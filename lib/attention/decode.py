@@ -251,6 +251,10 @@ def _residual_key_scores(rope, M, r_k):
     N, S, H, r = r_k.shape
     chunk_bytes = 2**25 if M.is_cuda else 2**22
     chunk = max(1, chunk_bytes // (N * H * r * M.element_size()))
+    if not torch.is_tensor(r_k) and r_k.dot_position_last:  # the chunk's product laid out as the codes lie
+        M_t = M.transpose(1, 2).contiguous()  # (N, H r, d_h)
+        return torch.cat([r_k.dot((M_t @ rope[s:s + chunk].T).view(N, H, r, -1).permute(0, 3, 1, 2),
+                                  s, min(s + chunk, S)) for s in range(0, S, chunk)], dim=1)
     if not torch.is_tensor(r_k):
         return torch.cat([r_k.dot((rope[s:s + chunk] @ M).view(N, -1, H, r), s, min(s + chunk, S))
                           for s in range(0, S, chunk)], dim=1)

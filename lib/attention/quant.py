@@ -24,7 +24,11 @@ is the plain model's on those values (tests/test_quant.py checks every path agai
 A step of decode.CODE_STEPS (MHA's, GQA's, MQA's, LRKV's, MLA's) reads an entry through Codes (the end
 of this file): its scores and weighted sums over the codes as they lie, each scale moved onto the
 scores, the weights or the query, the codes read by PyTorch's weight-only int8 kernel or converted a
-chunk at a time in the processor's cache; never a dequantised copy of the whole cache per step.
+chunk at a time in the processor's cache; never a dequantised copy of the whole cache per step. On a
+CPU, quant.c (through quant_c.py) does the int4 reads, LRKV's int8 residual keys and both storages'
+quantising of a new token instead, each in one pass over the codes or the token, where PyTorch's ops
+take several passes or a dozen small ops; elsewhere (a GPU, fp64, torch.compile, no C compiler) the
+PyTorch ops here, which give the same numbers.
 """
 
 import functools
@@ -32,6 +36,7 @@ import math
 
 import torch
 
+from lib.attention import quant_c
 from lib.attention.ring import RingKVCache, gather
 
 KEPT = ("rho",)  # entries stored as they are, in the cache's dtype (above)
@@ -44,15 +49,18 @@ KEYS = ("k", "k_shared", "r_k", "k_rope", "a_k", "b_k")
 # of HEAD_MAJOR, (B, L, G, d) to its readers, is held (B, G, L, d): a head's keys contiguous, rows of a
 # scores GEMM; one of POSITION_LAST, (B, L, *rows, d), is held (B, *rows, d, L): a channel's positions
 # contiguous, rows of a weighted sum's GEMM. Either is a view of the other: store and load index it as
-# they would the plain layout.
+# they would the plain layout. The int8 cache holds LRKV's r_k position-last too, the int4 cache every
+# entry of KEYS: the layouts of their reads in C (quant.c).
 HEAD_MAJOR = ("k",)
 POSITION_LAST = ("v", "v_shared", "r_v")
+INT8_POSITION_LAST = POSITION_LAST + ("r_k",)
+INT4_POSITION_LAST = POSITION_LAST + KEYS
 
 
-def laid_out(name, size, dtype, device):
+def laid_out(name, size, dtype, device, position_last=POSITION_LAST):
     """A zero buffer of logical size (B, L, *shape), held in the order above for name."""
     n = len(size)
-    if name in POSITION_LAST:
+    if name in position_last:
         order = (0, *range(2, n), 1)
     elif name in HEAD_MAJOR and n == 4:
         order = (0, 2, 1, 3)
@@ -117,10 +125,13 @@ class Int8KVCache(QuantisedKVCache):
 
     def allocate_entry(self, name, shape, length, device):
         B = self.batch_size
-        return {name: laid_out(name, (B, length, *shape), torch.int8, device),
+        return {name: laid_out(name, (B, length, *shape), torch.int8, device, INT8_POSITION_LAST),
                 f"{name}.scale": torch.zeros(B, length, *shape[:-1], 1, dtype=self.dtype, device=device)}
 
     def store_entry(self, layer, buffers, name, slots, x):
+        if x.dtype != torch.float64 and quant_c.takes(x, buffers[name], buffers[f"{name}.scale"]):
+            if quant_c.int8_store(x, slots, buffers[name], buffers[f"{name}.scale"]):  # the same, in C
+                return
         x = wide(x)
         scale = (x.abs().amax(-1, keepdim=True) / 127).to(self.dtype)  # as stored
         q = torch.round(x / wide(scale).clamp(min=torch.finfo(torch.float32).tiny)).clamp(-127, 127)
@@ -181,13 +192,13 @@ class Int4KVCache(QuantisedKVCache):
         if name in KEYS:  # per channel, over each group of G slots; the codes padded to whole groups
             groups = -(-length // G)
             # filling, the same for every row: the group being filled's first slot, and its slots filled
-            return {name: laid_out(name, (B, groups * G, *packed), torch.uint8, device),
+            return {name: laid_out(name, (B, groups * G, *packed), torch.uint8, device, INT4_POSITION_LAST),
                     f"{name}.low": zeros(B, groups, *shape), f"{name}.scale": zeros(B, groups, *shape),
                     f"{name}.residual": zeros(B, G, *shape),
                     f"{name}.filling": torch.zeros(B, 2, dtype=torch.long, device=device)}
         rows = token_rows(shape)  # per token, a row or two
         per_token = (B, length, *shape[:-len(rows)], *[1] * len(rows))
-        return {name: laid_out(name, (B, length, *packed), torch.uint8, device),
+        return {name: laid_out(name, (B, length, *packed), torch.uint8, device, INT4_POSITION_LAST),
                 f"{name}.low": zeros(per_token), f"{name}.scale": zeros(per_token)}
 
     def store_entry(self, layer, buffers, name, slots, x):
@@ -195,6 +206,10 @@ class Int4KVCache(QuantisedKVCache):
             slots = torch.as_tensor(slots, device=x.device).view(-1)
             for t in range(x.size(1)):  # a slot at a time: each may fill a group
                 self.store_key_slot(buffers, name, self.length(layer), slots[t:t + 1], x[:, t:t + 1])
+        elif x.dtype != torch.float64 and quant_c.takes(x, buffers[name], buffers[f"{name}.low"]) and \
+                quant_c.int4_store(x, slots, buffers[name], buffers[f"{name}.low"], buffers[f"{name}.scale"],
+                                   math.prod(x.shape[2:][-len(token_rows(x.shape[2:])):-1])):
+            return  # the same, in C
         else:
             low, scale = low_scale(wide(x), token_rows(x.shape[2:]), self.dtype)
             buffers[name][:, slots] = int4_codes(wide(x), low, scale)
@@ -205,16 +220,20 @@ class Int4KVCache(QuantisedKVCache):
         its group (the group's last slot, or the last of all), the group quantised per channel from the
         residual. With no branch on the slot on a device or under torch.compile, so that a compiled
         fixed-shape step runs it as it is; a slot on the host that leaves its group unfilled (63 steps of
-        64) stops before the group's quantising, which would change nothing."""
+        64) goes into the residual alone, in Python's numbers: the group's quantising would change nothing."""
         data, residual, filling = buffers[name], buffers[f"{name}.residual"], buffers[f"{name}.filling"]
         G = residual.size(1)
+        if slot.device.type == "cpu" and not torch.compiler.is_compiling():
+            index = int(slot) % G
+            if index + 1 < min(length - (int(slot) - index), G):  # not the group's last slot
+                residual[:, index] = x[:, 0]
+                filling[:, 0], filling[:, 1] = int(slot) - index, index + 1
+                return
         start = slot - slot % G  # (1,): the group's first slot
         index = slot - start  # (1,): the slot's place in the group
         residual[:, index] = x.to(residual.dtype)
         full = index + 1 == torch.clamp(length - start, max=G)  # (1,): the group's last slot
         filling[:, 0], filling[:, 1] = start, torch.where(full, torch.zeros_like(index), index + 1)
-        if slot.device.type == "cpu" and not torch.compiler.is_compiling() and not full:
-            return
         # per channel over the group's slots filled so far, the first standing in for the others
         held = (torch.arange(G, device=slot.device) <= index).view(1, G, *[1] * (residual.dim() - 2))
         values = torch.where(held, wide(residual), wide(residual[:, :1]))  # (B, G, *shape)
@@ -255,6 +274,20 @@ class Int4KVCache(QuantisedKVCache):
 def grouped(x):
     """An entry (B, S, d) as one group of heads, (B, S, 1, d); (B, S, G, d) as it is."""
     return x.unsqueeze(2) if x.dim() == 3 else x
+
+
+def positions_last(x):
+    """An entry's slots (B, n, *rows, d) as quant.c's loops take them, (B, rows, d, n): a view, positions
+    contiguous where it lies position-last."""
+    return x.flatten(2, -2).permute(0, 2, 3, 1)
+
+
+def dot_in_c(x, dot):
+    """Codes.dot's result (B, n, *rows) in x's dtype, of x (B, n, *rows, d) lying position-last, from
+    dot(b, x_b) (rows, n) fp32 for each sequence b, x_b its x (rows, d, n)."""
+    x_rows = positions_last(x)
+    out = torch.stack([dot(b, x_rows[b]) for b in range(x.size(0))])  # (B, rows, n)
+    return out.transpose(1, 2).reshape(x.shape[:-1]).to(x.dtype)
 
 
 def held_order(x):
@@ -320,6 +353,18 @@ class Codes:
         self.shape = (buffers[name].size(0), S, *buffers[name].shape[2:-1], packed * buffers[name].size(-1))
         self.slot_numel = math.prod(self.shape[2:])
 
+    def in_c(self, dtype):
+        """Whether quant.c reads these codes for a step in dtype: on a CPU, where it is built, and
+        short of fp64 (the tests' exact decodes: the C reads compute in fp32)."""
+        return dtype != torch.float64 and quant_c.takes(self.buffers[self.name],
+                                                        self.buffers[f"{self.name}.scale"])
+
+    @property
+    def dot_position_last(self):
+        """Whether dot reads x best with its positions contiguous (x.stride(1) == 1): as the codes lie,
+        where C reads them."""
+        return self.buffers[self.name].stride(1) == 1 and self.in_c(self.dtype)
+
     def values(self, start, stop):
         """Slots start..stop-1 as load gives them, (B, n, *shape) in the entry's dtype."""
         index = self.cache.slot_index(start, stop, self.device)
@@ -368,11 +413,15 @@ class Int8Codes(Codes):
         B, G, M, S = p.shape
         weights = p * self.scale.reshape(B, S, -1).transpose(1, 2).unsqueeze(2)  # (B, G, M, S): p * s
         # over all L slots held, those past S weighted 0: a kernel reads its rows whole
-        weights = torch.nn.functional.pad(wide(weights), (0, codes.size(-1) - S))
+        weights = torch.nn.functional.pad(weights, (0, codes.size(-1) - S))
         ones = torch.ones(codes.shape[:3], dtype=weights.dtype, device=p.device)
         return grouped_int8_matmul(weights, codes, ones, p.dtype).to(p.dtype)
 
     def dot(self, x, start, stop):  # x . (s_t c_t) = s_t (x . c_t); x, a chunk's own, taken in place
+        if self.dot_position_last and x.stride(1) == 1:  # in C, x position-last as the codes lie
+            codes = positions_last(self.codes[:, start:stop])  # (B, rows, d, n)
+            scale = self.scale[:, start:stop].flatten(2)  # (B, n, rows)
+            return dot_in_c(x, lambda b, x_b: quant_c.int8_key_dot(x_b, codes[b], scale[b]))
         return x.mul_(self.codes[:, start:stop]).sum(-1) * self.scale[:, start:stop]
 
 
@@ -383,7 +432,8 @@ class Int4Codes(Codes):
     into int8_matmul. A key entry, per channel over slot groups (KIVI), is x_t = c_t * s_g + m_g for the
     group g of slot t, so q . x_t = (q * s_g) . c_t + q . m_g: the scales move into the query, a group at a
     time, over a chunk of groups' codes converted in the processor's cache; the slots of the group being
-    filled score from the residual, in full precision."""
+    filled score from the residual, in full precision. On a CPU, quant.c's loops do the same products
+    (in_c), a key entry's and a value's held position-last (INT4_POSITION_LAST)."""
 
     def __init__(self, cache, buffers, name, S, dtype):
         super().__init__(cache, buffers, name, S, dtype)
@@ -414,6 +464,10 @@ class Int4Codes(Codes):
             return super().weighted_sum(p)
         B, G, M, S = p.shape
         packed = held_order(self.packed)  # (B, G, d/2, L)
+        if self.in_c(p.dtype):
+            low, scale = (x[:, :S].reshape(B, S, -1).expand(B, S, G) for x in (self.low, self.scale))
+            return torch.stack([quant_c.int4_weighted_sum(p[b], packed[b, ..., :S], low[b], scale[b])
+                                for b in range(B)]).to(p.dtype)  # (B, G, M, d)
         low, scale = self.token_low_scale(B, S, G)
         weights = wide(p) * scale.transpose(1, 2).unsqueeze(2)  # (B, G, M, S): p * s
         weights = torch.nn.functional.pad(weights, (0, packed.size(-1) - S))  # slots past S weighted 0
@@ -433,11 +487,17 @@ class Int4Codes(Codes):
         Gs = residual.size(1)
         filling = self.buffers[f"{self.name}.filling"]
         first, filled = filling[0, 0], filling[0, 1]
+        a, b = start // Gs, -(-stop // Gs)  # the groups spanned
+        B = x.size(0)
+        if self.in_c(x.dtype) and x.stride(1) == 1:  # x position-last, as the codes lie
+            packed = positions_last(self.packed[:, start:stop])  # (B, rows, d/2, n)
+            low, scale = (t[:, a:b].flatten(2, -2) for t in (self.low, self.scale))  # (B, groups, rows, d)
+            return dot_in_c(x, lambda i, x_i: quant_c.int4_key_dot(
+                x_i, packed[i], low[i], scale[i], Gs, start, residual[i], int(first), int(filled)))
         place = torch.arange(Gs, device=x.device)
         slots = (first + place - start).clamp(0, stop - start - 1)  # (Gs,): the residual's slots in x
         rows = x[:, slots]  # (B, Gs, *shape): before x is taken
-        a, b = start // Gs, -(-stop // Gs)  # the groups spanned
-        codes = self.packed[:, a * Gs:b * Gs].view(x.size(0), b - a, Gs, *self.packed.shape[2:])
+        codes = self.packed[:, a * Gs:b * Gs].reshape(B, b - a, Gs, *self.packed.shape[2:])
         codes = torch.cat((codes & 15, codes >> 4), dim=-1)  # (B, groups, Gs, *shape) uint8
         low, scale = self.low[:, a:b].unsqueeze(2), self.scale[:, a:b].unsqueeze(2)  # (B, groups, 1, *shape)
         values = torch.addcmul(low, codes.to(x.dtype), scale)
@@ -453,6 +513,12 @@ class Int4Codes(Codes):
         B, G, M, d = q.shape
         residual = grouped(self.buffers[f"{self.name}.residual"])  # (B, Gs, G, d)
         Gs, n = residual.size(1), -(-self.S // residual.size(1))  # slots a group, groups read
+        if self.in_c(q.dtype):
+            codes = held_order(self.packed)[..., :self.S]  # (B, G, d/2, S)
+            low, scale = (x[:, :n].reshape(B, n, G, d) for x in (self.low, self.scale))
+            first, filled = (int(x) for x in self.buffers[f"{self.name}.filling"][0])
+            return torch.stack([quant_c.int4_key_scores(q[b], codes[b], low[b], scale[b], Gs, residual[b],
+                                                        first, filled) for b in range(B)]).to(q.dtype)
         packed = grouped(self.packed).transpose(1, 2)  # (B, G, L, d/2)
         low, scale = (grouped(x[:, :n]).permute(0, 2, 1, 3).unsqueeze(3) for x in (self.low, self.scale))
         q_low = (wide(q.unsqueeze(2)) * wide(low)).sum(-1, keepdim=True)  # (B, G, n, M, 1): q . m_g

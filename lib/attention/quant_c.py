@@ -1,0 +1,207 @@
+"""
+quant.c on a CPU: built by the system's C compiler the first time a process asks for it (about a second),
+kept in __pycache__ beside it under a name of its source and the machine, and called through ctypes on
+tensors' memory. Where no compiler builds it (none installed, or LRKV_C_KERNELS=0), library() is None and
+quant.py reads and writes the codes by PyTorch's ops instead: the same numbers, slower.
+"""
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+
+import torch
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "quant.c")
+# the host's own vector instructions where the compiler knows them; else the portable build
+FLAGS = (["-O3", "-march=native"], ["-O3"])
+LIBRARIES = ["-lm"]
+SIGNATURES = {  # argument types of each function, in quant.c's order
+    "int4_key_dot": "l i i p i l p l p p i l l p p i l l",
+    "int4_key_scores": "l i i i p p l p p i l p p i l l p",
+    "int4_weighted_sum": "l i i i p i p l p p i l l p p",
+    "int8_key_dot": "l i i p i l p l p i l l p",
+    "int8_store": "l l l i p i p p l l l l p i l l l",
+    "int4_store": "l l l i l p i p p l l l l p p i l l l",
+}
+C_TYPES = {"l": ctypes.c_long, "i": ctypes.c_int, "p": ctypes.c_void_p}
+
+
+def machine():
+    """What a build depends on beside its source: the processor's features where the system lists them."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), platform.processor())
+    except OSError:
+        return platform.machine() + platform.processor()
+
+
+@functools.cache
+def library():
+    """quant.c's functions, built once a source and machine, or None where they cannot be."""
+    if os.environ.get("LRKV_C_KERNELS", "1") == "0":
+        return None
+    with open(SOURCE, "rb") as f:
+        digest = hashlib.sha256(f.read() + machine().encode()).hexdigest()[:16]
+    folder = os.path.join(os.path.dirname(SOURCE), "__pycache__")
+    path = os.path.join(folder, f"quant-{digest}.so")
+    if not os.path.exists(path):
+        path = build(folder, path)
+    if path is None:
+        return None
+    lib = ctypes.CDLL(path)
+    for name, signature in SIGNATURES.items():
+        getattr(lib, name).argtypes = [C_TYPES[c] for c in signature.split()]
+        getattr(lib, name).restype = None
+    return lib
+
+
+def build(folder, path):
+    """The shared library at path (or in a temporary folder where folder is read-only), written whole or
+    not at all; None where no compiler builds it."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, partial = tempfile.mkstemp(suffix=".so", dir=folder)
+    except OSError:
+        path = os.path.join(tempfile.mkdtemp(), os.path.basename(path))
+        fd, partial = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+    os.close(fd)
+    compiler = os.environ.get("CC", "cc")
+    try:
+        for flags in FLAGS:
+            done = subprocess.run([compiler, *flags, "-shared", "-fPIC", SOURCE, "-o", partial, *LIBRARIES],
+                                  capture_output=True)
+            if done.returncode == 0:
+                os.replace(partial, path)  # another process may have built it too: the same bytes
+                return path
+        return None
+    except OSError:  # no compiler
+        return None
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+
+
+def takes(*tensors):
+    """Whether the C reads take these tensors: built, all on a CPU, each of fp32, bf16 or bytes, and not
+    inside torch.compile's tracing (a compiled step keeps PyTorch's reads, which it can fuse)."""
+    kinds = (torch.float32, torch.bfloat16, torch.uint8, torch.int8)
+    on_cpu = all(t.device.type == "cpu" and t.dtype in kinds for t in tensors)
+    return not torch.compiler.is_compiling() and on_cpu and library() is not None
+
+
+def numbers(x, rows=False):
+    """x as the C reads take numbers, fp32 or bf16 (another dtype in fp32), contiguous (rows: its last dim
+    alone, the others as they lie), and whether bf16."""
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        x = x.float()
+    if x.stride(-1) != 1 or not rows:
+        x = x.contiguous()
+    return x, int(x.dtype == torch.bfloat16)
+
+
+def evenly(codes):
+    """codes (rows, D, n) with each row's n positions contiguous and the rows evenly apart, as C reads
+    them: its pointer and the stride of a row."""
+    assert codes.stride(-1) == 1 and codes.stride(0) == codes.size(1) * codes.stride(1)
+    return codes.data_ptr(), codes.stride(1)
+
+
+def int4_key_dot(x, codes, low, scale, group, t0, residual, first, filled):
+    """x (H, D, n) fp32 or bf16, each row's n positions contiguous; codes (H, D/2, n) bytes of positions
+    t0..t0 + n - 1; low, scale (groups, H, D) from group t0 // group on; residual (group, H, D), holding
+    positions first..first + filled - 1; all three in the cache's dtype -> (H, n) fp32: x . (the keys)."""
+    H, D, n = x.shape
+    (x, x_bf16), (low, ls_bf16), (scale, _), (residual, res_bf16) = (
+        numbers(x, rows=True), numbers(low), numbers(scale), numbers(residual))
+    assert x.stride(0) == D * x.stride(1)
+    out = torch.empty(H, n)
+    library().int4_key_dot(n, H, D, x.data_ptr(), x_bf16, x.stride(1), *evenly(codes), low.data_ptr(),
+                           scale.data_ptr(), ls_bf16, group, t0, out.data_ptr(), residual.data_ptr(),
+                           res_bf16, first, filled)
+    return out
+
+
+def int8_key_dot(x, codes, scale):
+    """x (H, D, n) as int4_key_dot's; codes (H, D, n) int8 as it lies; scale (n, H), any strides, in the
+    cache's dtype -> (H, n) fp32: s_{t,h} x_{t,h} . c_{t,h}."""
+    H, D, n = x.shape
+    x, x_bf16 = numbers(x, rows=True)
+    assert x.stride(0) == D * x.stride(1)
+    out = torch.empty(H, n)
+    library().int8_key_dot(n, H, D, x.data_ptr(), x_bf16, x.stride(1), *evenly(codes), scale.data_ptr(),
+                           int(scale.dtype == torch.bfloat16), *scale.stride(), out.data_ptr())
+    return out
+
+
+def int4_key_scores(q, codes, low, scale, group, residual, first, filled):
+    """q (K, M, D); codes (K, D/2, n) bytes of positions 0..n-1; low, scale (groups, K, D); residual as
+    int4_key_dot's -> (K, M, n) fp32: q_{k,r} . (head k's keys)."""
+    K, M, D = q.shape
+    n = codes.size(-1)
+    (low, ls_bf16), (scale, _), (residual, res_bf16) = numbers(low), numbers(scale), numbers(residual)
+    q = q.float().contiguous()
+    out, room = torch.empty(K, M, n), torch.empty(-(-n // group), M, D)
+    library().int4_key_scores(n, K, M, D, q.data_ptr(), *evenly(codes), low.data_ptr(), scale.data_ptr(),
+                              ls_bf16, group, out.data_ptr(), residual.data_ptr(), res_bf16, first, filled,
+                              room.data_ptr())
+    return out
+
+
+def int4_weighted_sum(p, codes, low, scale):
+    """p (K, M, n); codes (K, D/2, n) bytes as int4_key_dot's; low and scale (n, K) per token, any strides,
+    in the cache's dtype -> (K, M, D) fp32: sum_t p_t (c_t s_t + m_t) of every row of p."""
+    K, M, n = p.shape
+    assert low.stride() == scale.stride() and low.dtype == scale.dtype in (torch.float32, torch.bfloat16)
+    p, p_bf16 = numbers(p)
+    out, room = torch.empty(K, M, 2 * codes.size(1)), torch.empty(M, n)
+    library().int4_weighted_sum(n, K, M, out.size(-1), p.data_ptr(), p_bf16, *evenly(codes),
+                                low.data_ptr(), scale.data_ptr(), int(low.dtype == torch.bfloat16),
+                                *low.stride(), out.data_ptr(), room.data_ptr())
+    return out
+
+
+def stored(x, slots, codes, *scales):
+    """What a store in C takes: x (B, T, *rows, D) as numbers, slots (T,) (a slice or an index) as an
+    int64 index, the codes (B, L, rows, width) and the scales (B, L, groups), or None where a buffer's
+    rows are not one stride apart."""
+    B = x.size(0)
+    try:
+        codes = codes.view(B, codes.size(1), -1, codes.size(-1))
+        scales = [t.view(B, t.size(1), -1) for t in scales]
+    except RuntimeError:
+        return None
+    if isinstance(slots, slice):
+        slots = torch.arange(codes.size(1))[slots]
+    return numbers(x), torch.as_tensor(slots, dtype=torch.int64).contiguous(), codes, scales
+
+
+def int8_store(x, slots, codes, scale):
+    """Int8KVCache.store_entry's quantising, in C: x (B, T, *rows, D) into slots (T,) of codes (B, L,
+    *rows, D) int8 and scale (B, L, *rows, 1), held in any layout where the rows are one stride apart;
+    False, nothing written, where they are not."""
+    taken = stored(x, slots, codes, scale)
+    if taken is None:
+        return False
+    (x, x_bf16), slots, codes, (scale,) = taken
+    library().int8_store(x.size(0), x.size(1), codes.size(2), x.size(-1), x.data_ptr(), x_bf16,
+                         slots.data_ptr(), codes.data_ptr(), *codes.stride(), scale.data_ptr(),
+                         int(scale.dtype == torch.bfloat16), *scale.stride())
+    return True
+
+
+def int4_store(x, slots, codes, low, scale, m):
+    """Int4KVCache.store_entry's per-token quantising, in C: x (B, T, *rows, D), each m rows one group,
+    into slots (T,) of codes (B, L, *rows, D/2) uint8 and low, scale (B, L, ..., 1[, 1]) a group; False
+    as int8_store's."""
+    taken = stored(x, slots, codes, low, scale)
+    if taken is None:
+        return False
+    (x, x_bf16), slots, codes, (low, scale) = taken
+    library().int4_store(x.size(0), x.size(1), codes.size(2), x.size(-1), m, x.data_ptr(), x_bf16,
+                         slots.data_ptr(), codes.data_ptr(), *codes.stride(), low.data_ptr(),
+                         scale.data_ptr(), int(low.dtype == torch.bfloat16), *low.stride())
+    return True
