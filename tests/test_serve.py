@@ -131,6 +131,25 @@ def test_a_full_pool_preempts_and_recomputes_to_the_same_tokens(attn):
         assert engine.stats["preemptions"] > 0, layout
 
 
+def test_the_requests_with_the_most_tokens_to_decode_go_first():
+    """Every request is there from the start, so the line orders them by their max_new_tokens, the most first,
+    ties in the prompts' order (longest processing time first: the run does not end with a long request
+    decoding alone); each still gives its prompt's tokens alone, back in the prompts' order."""
+    model = tiny_model("mha", n_layer=2, block_size=64)
+    engine, order = Engine(model, 10**6, RingKVCache, torch.float32, block_size=4, chunk=16), []
+    select = engine.cache.select
+
+    def recording(seqs):  # the order in which requests first go into a forward
+        order.extend(seq for seq in seqs if seq not in order)
+        select(seqs)
+
+    engine.cache.select = recording
+    news = [2, 6, 4, 6, 1]
+    got = engine.generate(prompts(LENGTHS), news)
+    assert order == [1, 3, 2, 0, 4]
+    assert got == [alone(model, prompt, n) for prompt, n in zip(prompts(LENGTHS), news)]
+
+
 # contexts that begin alike: two of a 13-token beginning and different ends, that beginning itself, one of
 # its first 9 tokens, a copy of one of the others, and one of its own; and one whose second block of 4
 # tokens is that of another (OTHER), after a first block of BEGINNING's: the same tokens after different

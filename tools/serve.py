@@ -33,7 +33,7 @@ from lib.attention.quant import cache_class
 # to fit bench.py --preset=cpu in 240 s on 2 cores (docs/decoding.md)
 WORKLOADS = {
     "128m": dict(requests=64, prompt=(16, 1024), output=(64, 256), budget_sequences=16),
-    "cpu": dict(requests=32, prompt=(16, 64), output=(32, 96), budget_sequences=6),
+    "cpu": dict(requests=48, prompt=(16, 64), output=(32, 96), budget_sequences=6),
     "tiny": dict(requests=4, prompt=(4, 16), output=(2, 6), budget_sequences=8),
 }
 STORAGES = ("none", "int8", "int4")

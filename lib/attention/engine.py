@@ -5,11 +5,15 @@ at once through one paged cache (paged.py) of a byte budget, each sequence at it
     Engine(model, kv_budget_bytes).generate(prompts, max_new_tokens, temperature=0)
 
 takes prompts of different lengths (lists of token ids) and gives back each one's new tokens, a list
-of token lists in the prompts' order. A request waits, then runs, then leaves. Each step:
+of token lists in the prompts' order. A request waits, then runs, then leaves. All of them are there from
+the start, so the line is ordered by the tokens each will decode, the most first (longest processing time
+first, the classic rule for finishing a set of jobs early): first come first, the run would end with the
+longest request admitted last decoding alone, one row a forward (the bench's cpu workload: its last
+request, 96 new tokens, decoded 57 of them alone). Each step:
 
-  1. admit: waiting requests join, first come first, while the pool has the blocks of their whole
-     context free, beside those that joined requests' prefills still need and one for each running
-     request, which its next tokens will soon need;
+  1. admit: waiting requests join, in line, while the pool has the blocks of their whole context
+     free, beside those that joined requests' prefills still need and one for each running request,
+     which its next tokens will soon need;
   2. prefill: joined requests' contexts go into the cache, at most `chunk` tokens a step in all, so
      that a long prompt takes several steps (its chunks) and running requests keep decoding between
      them; a context's last chunk gives its first new token. A context that begins as one already in
@@ -96,7 +100,8 @@ class Engine:
         if not isinstance(max_new_tokens, (list, tuple)):
             max_new_tokens = [max_new_tokens] * len(prompts)
         self.check(prompts, max_new_tokens)
-        waiting = deque(Request(i, *request) for i, request in enumerate(zip(prompts, max_new_tokens)))
+        requests = [Request(i, *request) for i, request in enumerate(zip(prompts, max_new_tokens))]
+        waiting = deque(sorted(requests, key=lambda r: -r.max_new_tokens))  # the most tokens to decode first
         running, done, per_token = [], {}, []  # running: oldest first; per_token: each request's seconds
         stats = self.stats = dict(peak_in_flight=0, preemptions=0, forwards=0, shared_tokens=0, new_tokens=0)
         begin = self.clock()

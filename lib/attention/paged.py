@@ -76,6 +76,10 @@ class PagedKVCache(RingKVCache):
             self.layers[owner] = pool  # every owner's store and load reach the one pool
         self.free = list(range(self.n_blocks - 1, -1, -1))  # blocks not held, popped from the end
         self.tables, self.lengths = {}, {}  # sequence: {owner: [block, or None once freed]}, positions held
+        # sequence: {owner: (max_len,) the pool's slot of each position, -1 where no block holds it}: its
+        # table spelt out slot by slot, so that a forward reads its rows' slots by slicing
+        self.slot_maps = {}
+        self.block_slots = torch.arange(self.n_blocks * block_size).view(self.n_blocks, block_size)
         self.tails = {}  # with whole blocks, sequence: {owner: {name: (1, block_size, *shape)}}, its newest
         # a tail weighs on the budget as the blocks it would fill, taken from the pool with its sequence's
         # first (reserved, given back with its last)
@@ -110,16 +114,26 @@ class PagedKVCache(RingKVCache):
         if seq not in self.tables:
             self.start(seq, {owner: [] for owner in self.sources})
         last = self.lengths[seq] + T - 1
-        for blocks in self.tables[seq].values():
+        for owner, blocks in self.tables[seq].items():
             while len(blocks) <= last // self.block_size:
                 blocks.append(self.free.pop())
                 self.holders[blocks[-1]] = 1
+                self.map_block(seq, owner, len(blocks) - 1, blocks[-1])
         return True
 
     def start(self, seq, table):
         """A new sequence holding table's blocks ({owner: [block]}, whole), its tails' blocks reserved."""
         self.reserved[seq] = [self.free.pop() for _ in range(self.tail_blocks)]
         self.tables[seq], self.lengths[seq] = table, len(next(iter(table.values()))) * self.block_size
+        self.slot_maps[seq] = {owner: torch.full((self.max_len,), -1) for owner in table}
+        for owner, blocks in table.items():
+            for i, block in enumerate(blocks):
+                self.map_block(seq, owner, i, block)
+
+    def map_block(self, seq, owner, i, block):
+        """seq's i-th block in owner is block (None: none, freed), in its slot map."""
+        bs = self.block_size
+        self.slot_maps[seq][owner][i * bs:(i + 1) * bs] = -1 if block is None else self.block_slots[block]
 
     def let_go(self, block):
         """A sequence no longer holds block: back to the pool, and no longer found, once none holds it."""
@@ -138,6 +152,7 @@ class PagedKVCache(RingKVCache):
                 if block is not None:
                     self.let_go(block)
         self.lengths.pop(seq, None)
+        self.slot_maps.pop(seq, None)
         self.tails.pop(seq, None)
         self.published.pop(seq, None)
         self.free.extend(self.reserved.pop(seq, []))
@@ -203,23 +218,10 @@ class PagedKVCache(RingKVCache):
                              f"{int(here.max()) + 1} were asked for")
         return self.rope[here.to(self.rope.device)]  # (B, T, rope_dim)
 
-    def block_table(self, owner):
-        """The rows' blocks in owner, (B, blocks), in their positions' order: -1 where a row has none (freed
-        out of its window, or past its last)."""
-        tables = [self.tables[seq][owner] for seq in self.rows]
-        width = max(len(blocks) for blocks in tables)
-        return torch.tensor([[-1 if b is None else b for b in blocks] + [-1] * (width - len(blocks))
-                             for blocks in tables])
-
-    def slots(self, table, positions, instead=0):
-        """The pool's slots (B, S) of each row's positions (B, S) in its blocks (table: block_table's), and
-        which of them are held (a negative position, or one in a block freed out of its window, is not: the
-        slot `instead` (B, 1) in its place)."""
-        bs, width = self.block_size, table.size(1)
-        index = (positions // bs).clamp(0, width - 1)
-        block = table.gather(1, index)
-        held = (block >= 0) & (positions >= 0) & (positions // bs < width)
-        return torch.where(held, block * bs + positions % bs, instead), held
+    def row_slots(self, owner, start, stop):
+        """The pool's slots (B, stop - start) of the rows' positions start..stop-1 in owner, -1 where a row's
+        block holds none (freed out of its window, or past its last)."""
+        return torch.stack([self.slot_maps[seq][owner][start:stop] for seq in self.rows])
 
     def attend(self, attn, q, x, rope):
         """attn's tokens x (B, T, d), each row's next T positions, leave their entries in their rows' blocks
@@ -228,22 +230,24 @@ class PagedKVCache(RingKVCache):
         layer, owner = attn.layer, self.kv_source[attn.layer]
         B, T = x.shape[:2]
         here = self.row_positions(torch.arange(T))  # (B, T)
-        table = self.block_table(owner)  # (B, blocks)
+        firsts = [self.lengths[seq] for seq in self.rows]  # each row's first new position
+        new = torch.stack([self.slot_maps[seq][owner][n:n + T]
+                           for seq, n in zip(self.rows, firsts)])  # (B, T): the new tokens' slots
         if owner == layer and self.whole:
-            self.store_whole(owner, table, here, attn.cache_entries(x, rope))
+            self.store_whole(owner, new, here, attn.cache_entries(x, rope))
         elif owner == layer:
-            new, _ = self.slots(table, here)
             entries = attn.cache_entries(x, rope)
             self.store(owner, new.flatten().to(x.device),
                        {name: e.reshape(1, B * T, *e.shape[2:]) for name, e in entries.items()})
         window, span = self.windows[layer], self.span[owner]
-        end = int(here.max()) + 1
+        end = max(firsts) + T
         # from the first position that any row's first query may see in the owner's span
-        start = 0 if span == self.max_len else max(0, int(here[:, 0].min()) - span + 1)
-        keys = torch.arange(start, end).expand(B, -1)  # (B, S): the positions read
-        keys = torch.where(keys <= here[:, -1:], keys, -1)  # -1 past a row's end: nothing there
+        start = 0 if span == self.max_len else max(0, min(firsts) - span + 1)
+        keys = torch.arange(start, end)  # (S,): the positions read
+        slots = self.row_slots(owner, start, end)  # (B, S)
+        held = (slots >= 0) & (keys <= here[:, -1:])  # past a row's end: nothing there yet
         # where a row holds no position, its newest entry, masked: a key RMS of 0 would make keys of 0 / 0
-        slots, held = self.slots(table, keys, self.slots(table, here[:, -1:])[0])
+        slots = torch.where(held, slots, new[:, -1:])
         entries = {name: e.view(B, -1, *e.shape[2:])
                    for name, e in self.load(owner, slots.flatten().to(x.device)).items()}
         if self.whole:
@@ -259,13 +263,12 @@ class PagedKVCache(RingKVCache):
         k, v = source.cached_keys_values(rope, **entries)
         return attn.attend(q, k, v, None if prompt else mask)
 
-    def store_whole(self, owner, table, here, entries):
-        """Each row's new entries {name: (B, T, *shape)}: those that make keys into its tail, and every block
-        they fill, whole, from the tail into the pool (its slots in order, as the storage's groups fill);
-        the others into their slots (table: block_table's)."""
+    def store_whole(self, owner, new, here, entries):
+        """Each row's new entries {name: (B, T, *shape)} of positions here (B, T): those that make keys into
+        its tail, and every block they fill, whole, from the tail into the pool (its slots in order, as the
+        storage's groups fill); the others into their slots new (B, T)."""
         bs = self.block_size
         self.dtypes.setdefault(owner, {name: e.dtype for name, e in entries.items()})  # as store notes them
-        new, _ = self.slots(table, here)
         B, T = here.shape
         device = next(iter(entries.values())).device
         self.store(owner, new.flatten().to(device),
@@ -291,7 +294,7 @@ class PagedKVCache(RingKVCache):
                     self.store(owner, slots, tail)
 
     def with_tails(self, owner, keys, held, here, entries):
-        """entries {name: (B, S, *shape)} of positions keys (B, S), those of each row's block not yet full
+        """entries {name: (B, S, *shape)} of positions keys (S,), those of each row's block not yet full
         taken from its tail; where a row holds no position (held False), its newest entry, as attend's."""
         bs = self.block_size
         end = here[:, -1:] + 1  # (B, 1): each row's positions after this forward
@@ -321,6 +324,7 @@ class PagedKVCache(RingKVCache):
                     if blocks[i] is not None:
                         self.let_go(blocks[i])
                         blocks[i] = None
+                        self.map_block(seq, owner, i, None)
 
 
 def paged_cache_class(storage=RingKVCache):

@@ -300,25 +300,31 @@ def held_order(x):
 def int8_matmul(a, codes, scale, dtype):
     """a (M, K) times int8 codes (N, K) with a scale per row (N,): a @ (codes * scale[:, None]).T, (M, N),
     in bf16 or fp16 (dtype's) by PyTorch's weight-only int8 kernel (gpt-fast's), which converts the codes
-    inside its dot products, over a K of whole 16s (past them its vector loop reads beyond the rows).
-    Elsewhere its fp32 loop is five to ten times slower than converting 1 MB of rows at a time to fp32
-    (fp64 for an fp64 a, the tests') and multiplying them: that, the scale applied to the products."""
-    if dtype in (torch.bfloat16, torch.float16) and codes.size(-1) % 16 == 0:
-        return torch.ops.aten._weight_int8pack_mm(a.to(dtype).contiguous(), codes.contiguous(),
-                                                  scale.to(dtype).contiguous())
-    a, rows = wide(a.to(dtype)), max(1, 2**18 // codes.size(-1))
-    return torch.cat([(a @ codes[n:n + rows].to(a.dtype).T) * scale[n:n + rows].to(a.dtype)
-                      for n in range(0, codes.size(0), rows)], dim=-1)
+    inside its dot products, over a K of whole 16s (past them its vector loop reads beyond the rows)."""
+    return torch.ops.aten._weight_int8pack_mm(a.to(dtype).contiguous(), codes.contiguous(),
+                                              scale.to(dtype).contiguous())
+
+
+def int8_kernel_takes(dtype, K):
+    """Whether int8_matmul runs in dtype over rows of K codes."""
+    return dtype in (torch.bfloat16, torch.float16) and K % 16 == 0
 
 
 def grouped_int8_matmul(a, codes, scale, dtype):
     """Each group's rows by its own codes: a (B, G, M, K), codes (B, G, N, K) int8, scale (B, G, N) ->
-    (B, G, M, N), a[b, g] @ (codes[b, g] * scale[b, g, :, None]).T. Where a sequence's codes lie as one
-    (G N, K) matrix, one int8_matmul of every group's rows by all of it, (G M, G N), of which group g keeps
-    its own block: G times the products in one call that reads the codes once, where a call per group
-    costs more in calls than in products (one new token's rows are few, M: a head's); else a call a group."""
+    (B, G, M, N), a[b, g] @ (codes[b, g] * scale[b, g, :, None]).T. Where int8_matmul takes them and a
+    sequence's codes lie as one (G N, K) matrix, one call of every group's rows by all of it, (G M, G N), of
+    which group g keeps its own block: G times the products in one call that reads the codes once, where a
+    call per group costs more in calls than in products (one new token's rows are few, M: a head's).
+    Elsewhere (fp32, fp64, a K past whole 16s) the kernel's own loop is five to ten times slower than
+    converting about 1 MB of codes at a time to a's dtype (fp32, or the tests' fp64) and multiplying
+    them group by group, the scale applied to the products: that."""
     B, G, M, K = a.shape
     N = codes.size(2)
+    if not int8_kernel_takes(dtype, K):
+        a, rows = wide(a.to(dtype)), max(1, 2**18 // (B * G * K))
+        return torch.cat([(a @ codes[:, :, n:n + rows].to(a.dtype).transpose(-1, -2))
+                          * scale[:, :, None, n:n + rows].to(a.dtype) for n in range(0, N, rows)], dim=-1)
     out = []
     for b in range(B):
         if codes[b].is_contiguous():
