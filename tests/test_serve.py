@@ -118,6 +118,16 @@ def test_int4_pages_its_key_groups_as_blocks(attn):
         assert got == [alone(model, prompt, NEW, Int4Groups4, 64) for prompt in prompts(LENGTHS)], layout
 
 
+@pytest.mark.parametrize("storage", [RingKVCache, Int8KVCache, Int4Groups4], ids=["plain", "int8", "int4"])
+def test_a_context_of_no_whole_number_of_blocks_decodes_to_its_end(storage):
+    """A context of 30 positions in blocks of 4 (its last block half past the context): requests that run
+    to its last position still give their prompts' tokens alone."""
+    model = tiny_model("lrkv", n_layer=2, block_size=30)
+    engine = Engine(model, 10**6, storage, torch.float32, block_size=4, chunk=16)
+    got = engine.generate(prompts([22, 9]), [8, 21])
+    assert got == [alone(model, prompt, n, storage) for prompt, n in zip(prompts([22, 9]), [8, 21])]
+
+
 @pytest.mark.parametrize("attn", ["mha", "lrkv", "mla"])
 def test_a_full_pool_preempts_and_recomputes_to_the_same_tokens(attn):
     """A budget of the blocks that the longest request (40 + 16 tokens) needs, no more: requests wait and are

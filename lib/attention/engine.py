@@ -8,8 +8,8 @@ takes prompts of different lengths (lists of token ids) and gives back each one'
 of token lists in the prompts' order. A request waits, then runs, then leaves. All of them are there from
 the start, so the line is ordered by the tokens each will decode, the most first (longest processing time
 first, the classic rule for finishing a set of jobs early): first come first, the run would end with the
-longest request admitted last decoding alone, one row a forward (the bench's cpu workload: its last
-request, 96 new tokens, decoded 57 of them alone). Each step:
+longest request admitted last decoding alone, one row a forward (the bench's cpu workload of 32 requests,
+first come first: its last request, 96 new tokens, decoded 57 of them alone). Each step:
 
   1. admit: waiting requests join, in line, while the pool has the blocks of their whole context
      free, beside those that joined requests' prefills still need and one for each running request,

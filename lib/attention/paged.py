@@ -76,8 +76,8 @@ class PagedKVCache(RingKVCache):
             self.layers[owner] = pool  # every owner's store and load reach the one pool
         self.free = list(range(self.n_blocks - 1, -1, -1))  # blocks not held, popped from the end
         self.tables, self.lengths = {}, {}  # sequence: {owner: [block, or None once freed]}, positions held
-        # sequence: {owner: (max_len,) the pool's slot of each position, -1 where no block holds it}: its
-        # table spelt out slot by slot, so that a forward reads its rows' slots by slicing
+        # sequence: {owner: (positions,) the pool's slot of each position, -1 where no block holds it}: its
+        # table spelt out slot by slot (whole blocks), so that a forward reads its rows' slots by slicing
         self.slot_maps = {}
         self.block_slots = torch.arange(self.n_blocks * block_size).view(self.n_blocks, block_size)
         self.tails = {}  # with whole blocks, sequence: {owner: {name: (1, block_size, *shape)}}, its newest
@@ -125,7 +125,8 @@ class PagedKVCache(RingKVCache):
         """A new sequence holding table's blocks ({owner: [block]}, whole), its tails' blocks reserved."""
         self.reserved[seq] = [self.free.pop() for _ in range(self.tail_blocks)]
         self.tables[seq], self.lengths[seq] = table, len(next(iter(table.values()))) * self.block_size
-        self.slot_maps[seq] = {owner: torch.full((self.max_len,), -1) for owner in table}
+        whole = -(-self.max_len // self.block_size) * self.block_size  # the last block may pass max_len
+        self.slot_maps[seq] = {owner: torch.full((whole,), -1) for owner in table}
         for owner, blocks in table.items():
             for i, block in enumerate(blocks):
                 self.map_block(seq, owner, i, block)

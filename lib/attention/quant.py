@@ -317,8 +317,9 @@ def grouped_int8_matmul(a, codes, scale, dtype):
     which group g keeps its own block: G times the products in one call that reads the codes once, where a
     call per group costs more in calls than in products (one new token's rows are few, M: a head's).
     Elsewhere (fp32, fp64, a K past whole 16s) the kernel's own loop is five to ten times slower than
-    converting about 1 MB of codes at a time to a's dtype (fp32, or the tests' fp64) and multiplying
-    them group by group, the scale applied to the products: that."""
+    converting the codes to a's dtype (fp32, or the tests' fp64) a few of N's rows at a time (about 1 MB,
+    at least a row of every group's) and multiplying them group by group, the scale applied to the
+    products: that."""
     B, G, M, K = a.shape
     N = codes.size(2)
     if not int8_kernel_takes(dtype, K):
