@@ -70,6 +70,12 @@ def laid_out(name, size, dtype, device, position_last=POSITION_LAST):
     return held.permute([order.index(i) for i in range(n)])  # (B, L, *shape) again
 
 
+def in_c(dtype, *tensors):
+    """Whether quant.c computes for these tensors, in dtype: on a CPU, where it is built, and short of fp64
+    (the tests' exact decodes: C computes in fp32)."""
+    return dtype != torch.float64 and quant_c.takes(*tensors)
+
+
 def wide(x):
     """x in fp32, the quantisers' arithmetic; in fp64 where it is already (a cache in fp64: the tests'
     decodes that no rounding of fp32 may flip a code in)."""
@@ -129,7 +135,7 @@ class Int8KVCache(QuantisedKVCache):
                 f"{name}.scale": torch.zeros(B, length, *shape[:-1], 1, dtype=self.dtype, device=device)}
 
     def store_entry(self, layer, buffers, name, slots, x):
-        if x.dtype != torch.float64 and quant_c.takes(x, buffers[name], buffers[f"{name}.scale"]):
+        if in_c(x.dtype, x, buffers[name], buffers[f"{name}.scale"]):
             if quant_c.int8_store(x, slots, buffers[name], buffers[f"{name}.scale"]):  # the same, in C
                 return
         x = wide(x)
@@ -206,7 +212,7 @@ class Int4KVCache(QuantisedKVCache):
             slots = torch.as_tensor(slots, device=x.device).view(-1)
             for t in range(x.size(1)):  # a slot at a time: each may fill a group
                 self.store_key_slot(buffers, name, self.length(layer), slots[t:t + 1], x[:, t:t + 1])
-        elif x.dtype != torch.float64 and quant_c.takes(x, buffers[name], buffers[f"{name}.low"]) and \
+        elif in_c(x.dtype, x, buffers[name], buffers[f"{name}.low"]) and \
                 quant_c.int4_store(x, slots, buffers[name], buffers[f"{name}.low"], buffers[f"{name}.scale"],
                                    math.prod(x.shape[2:][-len(token_rows(x.shape[2:])):-1])):
             return  # the same, in C
@@ -361,10 +367,8 @@ class Codes:
         self.slot_numel = math.prod(self.shape[2:])
 
     def in_c(self, dtype):
-        """Whether quant.c reads these codes for a step in dtype: on a CPU, where it is built, and
-        short of fp64 (the tests' exact decodes: the C reads compute in fp32)."""
-        return dtype != torch.float64 and quant_c.takes(self.buffers[self.name],
-                                                        self.buffers[f"{self.name}.scale"])
+        """Whether quant.c reads these codes for a step in dtype (the module's in_c)."""
+        return in_c(dtype, self.buffers[self.name], self.buffers[f"{self.name}.scale"])
 
     @property
     def dot_position_last(self):
