@@ -9,6 +9,9 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import threading
+import time
 
 import pytest
 import torch
@@ -52,14 +55,99 @@ def reads(request, monkeypatch):
     return request.param
 
 
-def test_quant_c_builds_where_a_compiler_is(tmp_path, monkeypatch):
+def test_quant_c_builds_where_a_compiler_is(tmp_path, monkeypatch, capfd):
     """Where the system has a C compiler, quant.c builds and loads; without one (or with LRKV_C_KERNELS=0)
     none is built, nothing is left behind, and quant.py's PyTorch reads stand in."""
     if shutil.which(os.environ.get("CC", "cc")):
         assert quant_c.library() is not None
     monkeypatch.setenv("CC", str(tmp_path / "no-compiler"))
-    assert quant_c.build(str(tmp_path), str(tmp_path / "quant.so")) is None
+    with pytest.raises(quant_c.BuildError, match="no-compiler"):
+        quant_c.build(str(tmp_path), str(tmp_path / "quant.so"))
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("compiler", ["true", "false", "no-compiler"])
+def test_quant_c_falls_back_in_one_line_where_no_build_loads(compiler, tmp_path, monkeypatch, capfd):
+    """A compiler that writes nothing and says it succeeded (CC=true), one that fails, and none at all:
+    load() is None, says so in one line on stderr, and leaves no object, whole or part, behind."""
+    monkeypatch.setenv("CC", compiler if compiler != "no-compiler" else str(tmp_path / compiler))
+    capfd.readouterr()
+    assert quant_c.load(str(tmp_path / "cache")) is None
+    err = capfd.readouterr().err
+    assert err.startswith("warning: quant.c is not built") and err.count("\n") == 1, err
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def copying_compiler(tmp_path, good):
+    """A C compiler that writes the object good to its -o argument, and notes that it ran."""
+    script = tmp_path / "cc"
+    script.write_text(f'#!/bin/sh\necho ran >> "{tmp_path}/ran"\n'
+                      f'while [ $# -gt 0 ]; do [ "$1" = -o ] && cp "{good}" "$2"; shift; done\n')
+    script.chmod(0o755)
+    return str(script)
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "garbage", "no functions"])
+def test_quant_c_builds_again_over_a_broken_cached_object(damage, tmp_path, monkeypatch, capfd):
+    """A cached object a build killed midway or a full disk left (empty, cut in half, not ELF) or one of
+    another source (no quant.c functions): built again and loaded, the object in place whole, no line
+    said; where the build again fails too, PyTorch's ops stand in (one line, as above). A half object is
+    never opened in this process (one cut in half faults on a read of its memory: SIGBUS)."""
+    if quant_c.library() is None:
+        pytest.skip("no C compiler builds quant.c here")
+    good = quant_c.object_path(os.path.dirname(quant_c.library()._name))
+    with open(good, "rb") as f:
+        data = f.read()
+    other = tmp_path / "other.so"  # a whole object that is not quant.c's
+    assert subprocess.run([os.environ.get("CC", "cc"), "-shared", "-fPIC", "-x", "c", "-", "-o", str(other)],
+                          input=b"int other(void) { return 1; }\n").returncode == 0
+    broken = {"empty": b"", "truncated": data[:len(data) // 2], "garbage": os.urandom(len(data)),
+              "no functions": other.read_bytes()}[damage]
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    path = quant_c.object_path(str(folder))
+    with open(path, "wb") as f:
+        f.write(broken)
+    assert quant_c.whole(path) == (damage == "no functions")
+    monkeypatch.setenv("CC", copying_compiler(tmp_path, good))
+    capfd.readouterr()
+    lib = quant_c.load(str(folder))
+    assert lib is not None and lib.int8_store is not None and capfd.readouterr().err == ""
+    assert (tmp_path / "ran").read_text() == "ran\n" and sorted(os.listdir(folder)) == [os.path.basename(path)]
+    with open(path, "rb") as f:
+        assert f.read() == data
+    elsewhere = tmp_path / "elsewhere"  # broken again, and no compiler to build it: PyTorch's ops
+    elsewhere.mkdir()
+    with open(quant_c.object_path(str(elsewhere)), "wb") as f:
+        f.write(broken)
+    monkeypatch.setenv("CC", "true")
+    assert quant_c.load(str(elsewhere)) is None and capfd.readouterr().err.count("\n") == 1
+
+
+def test_quant_c_never_shows_a_half_written_object(tmp_path, monkeypatch):
+    """A build writes its own file and renames it into place whole: a process reading the cache while
+    another builds (here a compiler that writes half the object, waits, then the rest) finds no object
+    or a whole one, never part of one."""
+    if quant_c.library() is None:
+        pytest.skip("no C compiler builds quant.c here")
+    good = quant_c.object_path(os.path.dirname(quant_c.library()._name))
+    half = tmp_path / "half"
+    half.write_bytes(open(good, "rb").read()[:1000])
+    script = tmp_path / "cc"
+    script.write_text(f'#!/bin/sh\nwhile [ $# -gt 0 ]; do [ "$1" = -o ] && out="$2"; shift; done\n'
+                      f'cp "{half}" "$out"; sleep 0.5; cp "{good}" "$out"\n')
+    script.chmod(0o755)
+    monkeypatch.setenv("CC", str(script))
+    folder = tmp_path / "cache"
+    path = quant_c.object_path(str(folder))
+    builder = threading.Thread(target=quant_c.build, args=(str(folder), path))
+    builder.start()
+    seen = set()
+    while builder.is_alive():
+        seen.add("none" if not os.path.exists(path) else "whole" if quant_c.whole(path) else "part")
+        time.sleep(0.01)
+    builder.join()
+    assert seen <= {"none", "whole"} and quant_c.whole(path)
 
 
 def int8_reference(x, dtype):

@@ -2,7 +2,10 @@
 quant.c on a CPU: built by the system's C compiler the first time a process asks for it (about a second),
 kept in __pycache__ beside it under a name of its source and the machine, and called through ctypes on
 tensors' memory. Where no compiler builds it (none installed, or LRKV_C_KERNELS=0), library() is None and
-quant.py reads and writes the codes by PyTorch's ops instead: the same numbers, slower.
+quant.py reads and writes the codes by PyTorch's ops instead: the same numbers, slower. A build is written
+to a file of its own, loaded once in another process, and only then renamed into place, so no process sees
+a half-written or broken object; a cached object that is not whole (empty, truncated, not ELF) or does not
+load is built again, and where no build loads, one line on stderr says so and PyTorch's ops stand in.
 """
 
 import ctypes
@@ -10,7 +13,9 @@ import functools
 import hashlib
 import os
 import platform
+import struct
 import subprocess
+import sys
 import tempfile
 
 import torch
@@ -44,24 +49,79 @@ def library():
     """quant.c's functions, built once a source and machine, or None where they cannot be."""
     if os.environ.get("LRKV_C_KERNELS", "1") == "0":
         return None
-    with open(SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read() + machine().encode()).hexdigest()[:16]
-    folder = os.path.join(os.path.dirname(SOURCE), "__pycache__")
-    path = os.path.join(folder, f"quant-{digest}.so")
-    if not os.path.exists(path):
-        path = build(folder, path)
-    if path is None:
-        return None
-    lib = ctypes.CDLL(path)
-    for name, signature in SIGNATURES.items():
-        getattr(lib, name).argtypes = [C_TYPES[c] for c in signature.split()]
-        getattr(lib, name).restype = None
+    return load(os.path.join(os.path.dirname(SOURCE), "__pycache__"))
+
+
+def load(folder):
+    """quant.c's functions from folder's object of this source and machine, built (again) where none is
+    there or the one there is not whole or does not load; None, said in one line on stderr, where no
+    build loads."""
+    path = object_path(folder)
+    lib = opened(path) if whole(path) else None
+    if lib is None:
+        try:
+            lib = build(folder, path)
+        except BuildError as e:
+            print(f"warning: quant.c is not built ({e}): PyTorch's ops read and write the quantised "
+                  f"caches instead, slower", file=sys.stderr)
     return lib
 
 
+def object_path(folder):
+    """Where folder keeps the object of this source and machine."""
+    with open(SOURCE, "rb") as f:
+        digest = hashlib.sha256(f.read() + machine().encode()).hexdigest()[:16]
+    return os.path.join(folder, f"quant-{digest}.so")
+
+
+def opened(path):
+    """The object at path loaded with quant.c's signatures, or None where it does not load or lacks one."""
+    try:
+        lib = ctypes.CDLL(path)
+        for name, signature in SIGNATURES.items():
+            getattr(lib, name).argtypes = [C_TYPES[c] for c in signature.split()]
+            getattr(lib, name).restype = None
+    except (OSError, AttributeError):
+        return None
+    return lib
+
+
+def whole(path):
+    """Whether path holds a whole ELF object: its header, its tables and every segment the loader maps lie
+    within the file (a truncated one would fault on a read of its memory instead of failing to load)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return False
+    if len(data) < 52 or data[:4] != b"\x7fELF" or data[4] not in (1, 2) or data[5] not in (1, 2):
+        return False
+    wide, order = data[4] == 2, "<" if data[5] == 1 else ">"
+    # the header's table offsets, entry sizes and counts; a program header's offset and size in the file
+    header, segment = (f"{order}32xQQ6xHHHH", f"{order}8xQ16xQ") if wide else (f"{order}28xII6xHHHH",
+                                                                                   f"{order}4xI8xI")
+    if len(data) < struct.calcsize(header):
+        return False
+    phoff, shoff, phsize, phnum, shsize, shnum = struct.unpack_from(header, data)
+    if phoff + phsize * phnum > len(data) or shoff + shsize * shnum > len(data) or phnum == 0:
+        return False
+    for i in range(phnum):
+        offset, size = struct.unpack_from(segment, data, phoff + i * phsize)
+        if offset + size > len(data):
+            return False
+    return True
+
+
+class BuildError(Exception):
+    """Why no object of quant.c was built."""
+
+
 def build(folder, path):
-    """The shared library at path (or in a temporary folder where folder is read-only), written whole or
-    not at all; None where no compiler builds it."""
+    """The shared library at path (or in a temporary folder where folder is read-only), loaded: compiled
+    into a file of its own, found whole and loaded in another process, then here (under its own name, as
+    a broken object this process opened at path would be found again under that one) and only then
+    renamed into place (an atomic replace: a process reading path sees the old object or this one, never
+    part of one); BuildError where no compiler builds one that loads."""
     try:
         os.makedirs(folder, exist_ok=True)
         fd, partial = tempfile.mkstemp(suffix=".so", dir=folder)
@@ -74,15 +134,21 @@ def build(folder, path):
         for flags in FLAGS:
             done = subprocess.run([compiler, *flags, "-shared", "-fPIC", SOURCE, "-o", partial, *LIBRARIES],
                                   capture_output=True)
-            if done.returncode == 0:
+            if done.returncode == 0 and whole(partial) and subprocess.run(
+                    [sys.executable, "-I", "-S", "-c", LOADS, partial, *SIGNATURES],
+                    capture_output=True).returncode == 0 and (lib := opened(partial)) is not None:
                 os.replace(partial, path)  # another process may have built it too: the same bytes
-                return path
-        return None
-    except OSError:  # no compiler
-        return None
+                return lib
+        raise BuildError(f"{compiler} {'failed' if done.returncode else 'wrote no object that loads'}")
+    except OSError as e:  # no compiler, or no room to write
+        raise BuildError(f"{compiler}: {e.strerror or e}") from None
     finally:
         if os.path.exists(partial):
             os.remove(partial)
+
+
+# run in another process: loads the object argv[1] and finds each function named after it
+LOADS = "import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]); [getattr(lib, name) for name in sys.argv[2:]]"
 
 
 def takes(*tensors):
