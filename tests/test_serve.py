@@ -256,3 +256,59 @@ def test_bad_input_is_one_line():
         small.generate([[1] * 5], 3)
     with pytest.raises(ValueError, match="holds no block of 4 positions"):
         Engine(model, 100, dtype=torch.float32, block_size=4)
+
+
+def test_every_argument_is_checked_before_any_work_in_one_line():
+    """The constructor's and generate's arguments, each refused in one ValueError line before a forward:
+    an empty list of prompts, max_new_tokens of another length, a budget, block size or chunk below 1,
+    token ids outside the vocabulary or not integers, a temperature below 0, top_k below 1."""
+    model = tiny_model("mha", n_layer=2, block_size=64)
+    for knobs, said in ((dict(kv_budget_bytes=-1), "kv_budget_bytes=-1: must be a positive integer"),
+                        (dict(kv_budget_bytes=0), "kv_budget_bytes=0: must be a positive"),
+                        (dict(chunk=0), "chunk=0: must be a positive integer"),
+                        (dict(chunk=2.5), "chunk=2.5: must be a positive integer"),
+                        (dict(block_size=0), "block_size=0: must be a positive integer"),
+                        (dict(storage="int8"), "storage='int8': must be a cache class"),
+                        (dict(dtype=torch.int8), "dtype=torch.int8: must be a floating torch.dtype")):
+        with pytest.raises(ValueError, match=said) as error:
+            Engine(model, **{"kv_budget_bytes": 10**5, **knobs})
+        assert "\n" not in str(error.value)
+    engine = Engine(model, 10**5, dtype=torch.float32, block_size=4)
+    engine.forward = None  # a forward would fail with a TypeError: every refusal below comes before one
+    V = TINY.vocab_size
+    for args, knobs, said in ((([], 4), {}, "prompts=\\[\\]: must be a non-empty list"),
+                              (([[1], [2], [3]], [4, 4]), {}, "2 max_new_tokens for 3 prompts"),
+                              (([[1], [2]], [4, -1]), {}, "max_new_tokens=-1: must be a positive integer"),
+                              (([[1, V]], 4), {}, f"prompt 0 holds a token id outside the vocabulary, "
+                                                  f"0..{V - 1}"),
+                              (([[1], [-1]], 4), {}, "prompt 1 holds a token id outside the vocabulary"),
+                              (([[1.5]], 4), {}, "prompt 0: must be a list of integer token ids"),
+                              ((["hello"], 4), {}, "prompt 0: must be a list of integer token ids"),
+                              (([[1]], 4), dict(temperature=-1), "temperature=-1: must be a number of"),
+                              (([[1]], 4), dict(top_k=0), "top_k=0: must be a positive integer"),
+                              (([[1]], 4), dict(vocab_size=V + 1), f"vocab_size={V + 1}: more than the")):
+        with pytest.raises(ValueError, match=said) as error:
+            engine.generate(*args, **knobs)
+        assert "\n" not in str(error.value)
+    assert engine.stats == {} and len(engine.cache.free) == engine.cache.n_blocks
+
+
+@pytest.mark.parametrize("attn", ["lrkv", "mla"])
+def test_a_call_that_raises_leaves_the_engine_as_it_was(attn):
+    """A call that fails midway (here its third forward raises, as an interrupt or a fault would) gives back
+    every block its requests held, so that the next call decodes the tokens a new engine does."""
+    model = tiny_model(attn, n_layer=2, block_size=64)
+    engine, fresh = (Engine(model, 10**6, Int4KVCache, torch.float32, block_size=4, chunk=16) for _ in "ab")
+    forward, calls = engine.forward, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("a fault in the third forward")
+        return forward(*args, **kwargs)
+
+    engine.forward = failing
+    with pytest.raises(RuntimeError, match="a fault in the third forward"):
+        engine.generate(prompts([20, 3, 9], seed=1), 4)
+    assert engine.cache.held_bytes() == 0 and len(engine.cache.free) == engine.cache.n_blocks
+    assert engine.generate(prompts([3, 20]), 3) == fresh.generate(prompts([3, 20]), 3)

@@ -28,6 +28,8 @@ back to the pool. Every forward is model.py's over the paged cache (the plain ca
 token a row LRKV's and MLA's exact steps), which every variant and layout decodes exactly.
 """
 
+import math
+import operator
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -37,6 +39,13 @@ import torch
 from lib.attention.paged import blocks_for, paged_cache_class
 from lib.attention.ring import RingKVCache
 from model import sample
+
+
+def positive(name, value):
+    """value, where it is a positive integer; else a ValueError of one line."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r}: must be a positive integer")
+    return value
 
 
 @dataclass
@@ -68,16 +77,47 @@ class Engine:
 
     def __init__(self, model, kv_budget_bytes, storage=RingKVCache, dtype=None, block_size=16, chunk=256,
                  clock=time.perf_counter, share_prefixes=True):
+        for name, value in dict(kv_budget_bytes=kv_budget_bytes, block_size=block_size, chunk=chunk).items():
+            positive(name, value)
+        if not (isinstance(storage, type) and issubclass(storage, RingKVCache)):
+            raise ValueError(f"storage={storage!r}: must be a cache class of quant.CACHES (a RingKVCache's)")
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"dtype={dtype!r}: must be a floating torch.dtype, or None (the weights')")
+        if not callable(clock) or not isinstance(share_prefixes, bool):
+            raise ValueError(f"clock={clock!r}, share_prefixes={share_prefixes!r}: must be a function "
+                             f"and a bool")
         self.model, self.chunk, self.clock, self.share_prefixes = model, chunk, clock, share_prefixes
         self.cache = paged_cache_class(storage)(model, kv_budget_bytes, dtype, block_size=block_size)
         self.stats = {}
 
-    def check(self, prompts, max_new_tokens):
-        """A ValueError of one line for the first request that cannot be served."""
-        L = self.model.config.block_size
-        for i, (prompt, max_new_tokens) in enumerate(zip(prompts, max_new_tokens)):
-            if type(max_new_tokens) is not int or max_new_tokens < 1:
-                raise ValueError(f"max_new_tokens={max_new_tokens!r}: must be a positive integer")
+    def check(self, prompts, max_new_tokens, temperature=0, top_k=None, vocab_size=None):
+        """generate's arguments, prompts as lists of ids and max_new_tokens one a prompt; a ValueError of one
+        line for the first argument or request that cannot be served."""
+        L, V = self.model.config.block_size, self.model.config.vocab_size
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError(f"prompts={prompts!r}: must be a non-empty list of prompts (lists of token ids)")
+        if not isinstance(max_new_tokens, (list, tuple)):
+            max_new_tokens = [max_new_tokens] * len(prompts)
+        if len(max_new_tokens) != len(prompts):
+            raise ValueError(f"{len(max_new_tokens)} max_new_tokens for {len(prompts)} prompts: give one "
+                             f"number for all, or one a prompt")
+        if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+                or not 0 <= temperature < math.inf):
+            raise ValueError(f"temperature={temperature!r}: must be a number of at least 0")
+        for name, value in dict(top_k=top_k, vocab_size=vocab_size).items():
+            if value is not None and positive(name, value) > V:
+                raise ValueError(f"{name}={value}: more than the model's vocab_size = {V}")
+        ids = []
+        for i, prompt in enumerate(prompts):
+            try:
+                ids.append([operator.index(token) for token in prompt])
+            except TypeError:
+                raise ValueError(f"prompt {i}: must be a list of integer token ids") from None
+            if any(not 0 <= token < V for token in ids[-1]):
+                raise ValueError(f"prompt {i} holds a token id outside the vocabulary, 0..{V - 1}")
+        counts = list(max_new_tokens)
+        for i, (prompt, max_new_tokens) in enumerate(zip(ids, counts)):
+            positive("max_new_tokens", max_new_tokens)
             if len(prompt) == 0:
                 raise ValueError(f"prompt {i} is empty: a request needs at least one token")
             if len(prompt) > L:
@@ -91,15 +131,21 @@ class Engine:
                 raise ValueError(f"a KV budget of {self.cache.n_blocks * self.cache.block_bytes} bytes holds "
                                  f"{self.cache.n_blocks} blocks, fewer than the {need} that prompt {i} of "
                                  f"{len(prompt)} tokens and {max_new_tokens} new ones needs")
+        return ids, counts
 
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens, temperature=0, top_k=None, vocab_size=None):
         """Each prompt's max_new_tokens new tokens (one number for all, or a list, one a prompt), sampled as
         model.sample samples (temperature 0: greedy; vocab_size: only ids below it, as decode.stream)."""
-        prompts = [list(map(int, prompt)) for prompt in prompts]
-        if not isinstance(max_new_tokens, (list, tuple)):
-            max_new_tokens = [max_new_tokens] * len(prompts)
-        self.check(prompts, max_new_tokens)
+        prompts, max_new_tokens = self.check(prompts, max_new_tokens, temperature, top_k, vocab_size)
+        try:
+            return self.serve(prompts, max_new_tokens, temperature, top_k, vocab_size)
+        finally:  # a call that raised gives back what its requests hold: the next finds the engine as
+            for seq in list(self.cache.tables):  # this one did
+                self.cache.release(seq)
+
+    def serve(self, prompts, max_new_tokens, temperature, top_k, vocab_size):
+        """generate's run, on arguments it has checked."""
         requests = [Request(i, *request) for i, request in enumerate(zip(prompts, max_new_tokens))]
         waiting = deque(sorted(requests, key=lambda r: -r.max_new_tokens))  # the most tokens to decode first
         running, done, per_token = [], {}, []  # running: oldest first; per_token: each request's seconds
