@@ -48,12 +48,46 @@ def temperature(text):
     return t
 
 
+FILE_LIMIT = 2**26  # the bytes a prompt file may hold (64 MiB), so that an endless one (/dev/zero) ends
+
+
 def read_file(path, flag):  # flag: the flag that names it, as given
     try:
         with open(path, "rb") as f:
-            return f.read()
+            data = f.read(FILE_LIMIT + 1)
     except OSError as e:
         raise ConfigError(f"{flag}: {e.strerror}") from None
+    if len(data) > FILE_LIMIT:
+        raise ConfigError(f"{flag}: more than {FILE_LIMIT >> 20} MiB, too long for prompts (an endless "
+                          f"file?)")
+    return data
+
+
+def prompt_lines(path):
+    """--prompts' file as its lines, or a ConfigError of one line where it holds none or is not text."""
+    flag = f"--prompts={path}"
+    data = read_file(path, flag)
+    if not data:
+        raise ConfigError(f"{flag}: the file is empty: give a prompt a line")
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        bad, why = e.start, f"byte {e.start} ({data[e.start]:#04x}) is not UTF-8"
+    else:
+        if b"\0" not in data:
+            return data.splitlines()
+        bad, why = data.index(b"\0"), "it holds a NUL byte"
+    line = data.count(b"\n", 0, bad) + 1
+    raise ConfigError(f"{flag}: line {line} is not text: {why}")
+
+
+def memory_bytes(device):
+    """The memory that device's tensors take theirs from: a GPU's own, else the machine's."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type == "mps":
+        return torch.mps.recommended_max_memory()
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def mib(text):
@@ -135,20 +169,29 @@ def main(argv=None):
     try:
         check_environment()
         device = pick_device(args.device, 0)
-        ckpt, model = load_checkpoint(args.ckpt, device)
-        tok = load_tokenizer(args.ckpt, ckpt)
         if args.compile and args.no_cache:
             raise ConfigError("--compile compiles the cached single-token step: it cannot go with --no_cache")
         if args.no_cache and args.kv_quant != "none":
             raise ConfigError(f"--kv_quant={args.kv_quant} stores the KV cache: it cannot go with --no_cache")
-        prompt = encode_prompt(args.prompt, tok)
-        if args.prompts is not None:
+        if args.prompts is not None:  # the file and the budget checked before the model loads
             for flag, given in (("--prompt", args.prompt), ("--no_cache", args.no_cache),
                                 ("--compile", args.compile), ("--num_samples", args.num_samples > 1)):
                 if given:
                     raise ConfigError(f"--prompts samples each line of its file once: not with {flag}")
-            lines = read_file(args.prompts, f"--prompts={args.prompts}").splitlines()
+            lines = prompt_lines(args.prompts)
+            if args.kv_budget * 2**20 > memory_bytes(device):
+                raise ConfigError(f"--kv_budget={args.kv_budget:g}: more than the "
+                                  f"{size(memory_bytes(device))} of memory that this {device.type} has")
+        ckpt, model = load_checkpoint(args.ckpt, device)
+        tok = load_tokenizer(args.ckpt, ckpt)
+        prompt = encode_prompt(args.prompt, tok)
+        if args.prompts is not None:
             prompts = [encode_bytes(line, tok) for line in lines]
+            L = model.config.block_size
+            for i, tokens in enumerate(prompts):
+                if len(tokens) > L:
+                    raise ConfigError(f"--prompts={args.prompts}: line {i + 1} has {len(tokens)} tokens, more "
+                                      f"than the model's context, block_size = {L}")
         dtype, why = ((getattr(torch, args.dtype), "--dtype") if args.dtype != "auto"
                       else decoding_dtype(ckpt.get("config", {}).get("dtype"), device))
     except ConfigError as e:

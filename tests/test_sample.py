@@ -214,6 +214,31 @@ def bad_inputs(ckpt, tmp_path):
     ]
 
 
+def test_a_bad_prompt_file_or_budget_is_one_line_before_the_model_loads(capsys, ckpt, tmp_path, monkeypatch):
+    """--prompts: an empty file, one that is not text (not UTF-8; NUL bytes), an endless one (/dev/zero:
+    read up to its limit) and a budget above the machine's memory, each refused in one line and exit code 2
+    before the checkpoint is read; a prompt longer than the context in one line, by its line."""
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "latin1.txt").write_bytes(b"def \ncaf\xe9\n")
+    (tmp_path / "nul.txt").write_bytes(b"def \nclass\0A:\n")
+    (tmp_path / "long.txt").write_bytes(b"def \n" + b"x" * 200 + b"\n")  # 201 tokens, the context 32
+    monkeypatch.setattr(sample, "FILE_LIMIT", 2**16)  # /dev/zero's refusal, without reading 64 MiB
+    loaded = sample.load_checkpoint
+    for name, says in (("empty.txt", "empty.txt: the file is empty"),
+                       ("latin1.txt", "latin1.txt: line 2 is not text: byte 8 (0xe9) is not UTF-8"),
+                       ("nul.txt", "nul.txt: line 2 is not text: it holds a NUL byte"),
+                       ("/dev/zero", "/dev/zero: more than 0 MiB, too long for prompts"),
+                       ("prompts.txt --kv_budget=1e12", "--kv_budget=1e+12: more than the "),
+                       ("long.txt", "long.txt: line 2 has 201 tokens, more than the model's context, "
+                                    "block_size = 32")):
+        monkeypatch.setattr(sample, "load_checkpoint", loaded if name == "long.txt" else None)
+        two_prompts(tmp_path)
+        path, *more = name.split()
+        assert exit_code([str(ckpt), "--device=cpu", f"--prompts={tmp_path / path}", *more]) == 2, name
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and err.startswith("sample.py: ") and says in err, err
+
+
 def two_prompts(tmp_path):
     (tmp_path / "prompts.txt").write_text("def \nclass A:\n")
     return tmp_path / "prompts.txt"
