@@ -2,6 +2,8 @@
 Turn text into the token shards that train.py reads.
 
     python prepare_data.py --dataset=pydocs --tokenizer=byte           # offline, seconds
+    python prepare_data.py --dataset=pysource                           # offline, minutes
+    python prepare_data.py --dataset=pysource --input=DIR ...          # other folders' .py files
     python prepare_data.py --dataset=fineweb-edu --max_tokens=1e9      # the paper's data
     python prepare_data.py --dataset=fineweb-edu --input=DIR           # local parquet files
     python prepare_data.py --dataset=text --input notes/ book.txt
@@ -14,16 +16,25 @@ is unfinished, and rerunning the same command resumes after the last finished sh
 (and progress.json, its unfinished form) records each shard's largest token, so that train.py
 checks the tokens against the vocabulary without reading them; both are checked field by field
 (META_FIELDS) wherever they are read.
+
+pysource is Python code: the .py files of this interpreter's standard library and installed
+packages (or of --input folders), one file a document, each file once however many copies of it
+there are, in the order of their contents' sha256, so that which files validation holds depends on
+the files alone and --max_tokens takes a sample of them all. Each file keeps its own licence: build
+the corpus on the machine that trains on it, and never ship it.
 """
 import ast
+import hashlib
 import importlib
+import io
 import json
 import os
 import platform
 import sys
 import sysconfig
 import time
-from concurrent.futures import ProcessPoolExecutor
+import tokenize as python_tokens
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -38,10 +49,12 @@ BATCH_DOCS = 2048  # documents per tokenizer call: enough work to keep every thr
 # -----------------------------------------------------------------------------
 # sources: each yields (list of texts, fraction of the source read) from document `skip` on
 
-def list_batches(docs):
+def list_batches(docs, read=None):
+    """Batches of docs, or of read(doc) for each, read only when its batch is reached."""
     def batches(skip):
         for i in range(skip, len(docs), BATCH_DOCS):
-            yield docs[i:i + BATCH_DOCS], min(i + BATCH_DOCS, len(docs)) / len(docs)
+            part = docs[i:i + BATCH_DOCS]
+            yield [read(doc) for doc in part] if read else part, min(i + BATCH_DOCS, len(docs)) / len(docs)
     return batches
 
 def statements(node):
@@ -88,6 +101,57 @@ def find_files(inputs, suffix):
     if not files:
         raise FileNotFoundError(f"no {suffix} files in {' '.join(inputs)}")
     return files
+
+# sysconfig's folders of this interpreter's Python code: the standard library, then the installed
+# packages, pure and compiled (one folder in most installs)
+PYSOURCE_FOLDERS = ("stdlib", "purelib", "platlib")
+
+def scan_python_file(path):
+    """(sha256 of the bytes, their length, the encoding they decode in), the encoding as Python reads
+    source (PEP 263: UTF-8 unless the file declares another), None where they do not decode in it."""
+    data = path.read_bytes()
+    try:
+        encoding = python_tokens.detect_encoding(io.BytesIO(data).readline)[0]
+        data.decode(encoding)
+    except (SyntaxError, LookupError, UnicodeDecodeError):  # a bad declaration, or bytes that are not it
+        encoding = None
+    return hashlib.sha256(data).hexdigest(), len(data), encoding
+
+def python_files(inputs):
+    """(description, files) for pysource: the .py files under inputs, else under PYSOURCE_FOLDERS,
+    each content once, in the order of its sha256, as (path, encoding). Empty files are no text, and
+    a file that does not decode is skipped and said."""
+    known = sysconfig.get_paths()
+    folders = inputs or list(dict.fromkeys(known[key] for key in PYSOURCE_FOLDERS
+                                           if Path(known[key]).is_dir()))
+    found = sorted({path.resolve() for path in find_files(folders, ".py")})  # a folder inside another: once
+    with ThreadPoolExecutor(8) as pool:  # reading and hashing wait on the disk and drop the GIL
+        scanned = list(pool.map(scan_python_file, found, chunksize=64))
+    unique, undecodable, empty = {}, [], 0
+    for path, (digest, size, encoding) in zip(found, scanned):
+        if size == 0:
+            empty += 1
+        elif encoding is None:
+            undecodable.append(path)
+        else:
+            unique.setdefault(digest, (path, encoding, size))  # the first path, in sorted order
+    if undecodable:
+        more = " ..." if len(undecodable) > 3 else ""
+        print(f"warning: {len(undecodable)} .py files do not decode in the encoding they declare and are "
+              f"skipped: {', '.join(map(str, undecodable[:3]))}{more}", file=sys.stderr)
+    if not unique:
+        raise FileNotFoundError(f"no .py files with text in {' '.join(map(str, folders))}")
+    duplicates = len(found) - empty - len(undecodable) - len(unique)
+    where = " ".join(map(str, folders))
+    where = where if inputs else f"Python {platform.python_version()}'s library and packages, {where}"
+    description = (f"pysource: {len(unique):,} .py files, {sum(f[2] for f in unique.values()):,} bytes, "
+                   f"of {where} ({len(found):,} found: {duplicates:,} duplicates, {empty:,} empty and "
+                   f"{len(undecodable):,} undecodable dropped)")
+    return description, [unique[digest][:2] for digest in sorted(unique)]
+
+def read_python_file(file):
+    path, encoding = file
+    return path.read_bytes().decode(encoding)
 
 def require(module):
     try:
@@ -146,6 +210,9 @@ def open_source(args):
     if args.dataset == "pydocs":
         docs = pydocs_documents()
         return f"pydocs: Python {platform.python_version()} docstrings and pydoc topics", list_batches(docs)
+    if args.dataset == "pysource":
+        description, files = python_files(args.input)
+        return description, list_batches(files, read_python_file)
     if args.dataset == "text":
         files = find_files(args.input, ".txt")
         # one stray non-UTF-8 byte should not stop a corpus, but it is said: it is read as U+FFFD
@@ -260,7 +327,9 @@ def prepare(args):
     write_atomic(meta, json.dumps(state, indent=2).encode())
     progress.unlink()
     made = state["train_tokens"] + state["val_tokens"] - before
-    print(f"{out_dir}: {state['train_tokens']:,} train and {state['val_tokens']:,} val tokens "
+    size = state["train_bytes"] + state["val_bytes"]
+    print(f"{out_dir}: {state['documents']:,} documents, {size:,} bytes: "
+          f"{state['train_tokens']:,} train and {state['val_tokens']:,} val tokens "
           f"({made / (time.time() - start):,.0f} tokens/s)")
 
 def count(text):  # int(float()) so that 1e9 works
@@ -283,8 +352,9 @@ def main(argv=None):
                             description="Turn text into the token shards that train.py reads.")
     parser.add_argument("--dataset", default="pydocs", choices=DATASETS)
     parser.add_argument("--tokenizer", default="gpt2", choices=TOKENIZERS)
-    parser.add_argument("--input", nargs="+", help="text: .txt files or folders; fineweb-edu: "
-                        "local parquet files or folders instead of downloading")
+    parser.add_argument("--input", nargs="+", help="text: .txt files or folders; pysource: .py files or "
+                        "folders instead of this Python's own; fineweb-edu: local parquet files or folders "
+                        "instead of downloading")
     parser.add_argument("--out_dir", help="default: data/<dataset>-<tokenizer>")
     parser.add_argument("--subset", default="sample-10BT", help="fineweb-edu subset to download")
     parser.add_argument("--max_tokens", type=count, help="stop after this many tokens")
@@ -294,7 +364,7 @@ def main(argv=None):
                         help="a train shard ends at the first document boundary past this many tokens")
     args = parser.parse_args(argv)
     if args.input and args.dataset == "pydocs":
-        parser.error("--input is for --dataset=text or fineweb-edu; pydocs is built in")
+        parser.error("--input is for --dataset=text, pysource or fineweb-edu; pydocs is built in")
     try:
         prepare(args)
     except BrokenPipeError:  # stdout's reader has gone (| head): run_main's to end the script quietly

@@ -227,6 +227,42 @@ def test_a_text_file_that_is_not_utf8_is_read_with_a_warning(tmp_path, capsys):
     assert warnings == [f"warning: {bad}: byte 7 (0xff) is not UTF-8; such bytes are read as U+FFFD"]
     check_dataset(tmp_path / "out", texts[:3] + [texts[3][:7] + "\ufffd" + texts[3][7:]] + texts[4:])
 
+def write_python_files(folder, texts, names):
+    for text, name in zip(texts, names):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text, encoding="utf-8")
+
+def test_pysource_keeps_each_file_once_and_whole_in_one_split(tmp_path, capsys):
+    """pysource: each content once however many files hold it, each file one document wholly in train
+    or in val, meta.json's counts those of the shards, and the split decided by the contents alone:
+    the same files under other names and folders give the same shards."""
+    texts = [f"def f{i}():\n    return {i!r}  # {text}\n" for i, text in enumerate(make_texts(30, seed=4))]
+    # a second copy of text 0 elsewhere, an empty __init__.py, a .txt file, and Latin-1 that says so
+    latin1 = "# -*- coding: latin-1 -*-\nname = 'café'\n"
+    names = [f"pkg{i % 4}/m{i}.py" for i in range(30)] + ["copy/same.py", "pkg0/__init__.py", "notes.txt"]
+    write_python_files(tmp_path / "a", texts + [texts[0], "", "not python"], names)
+    (tmp_path / "a" / "pkg1" / "latin1.py").write_bytes(latin1.encode("latin-1"))
+    broken = tmp_path / "a" / "pkg1" / "broken.py"
+    broken.write_bytes(b"x = '\xff'\n")  # UTF-8, as it declares no other encoding, and it is not
+    args = ["--dataset=pysource", "--val_fraction=0.2"]
+    pd.main(args + [f"--input={tmp_path / 'a'}", f"--out_dir={tmp_path / 'out'}"])
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+    assert warnings == [f"warning: 1 .py files do not decode in the encoding they declare and are skipped: "
+                        f"{broken}"]
+    meta = check_dataset(tmp_path / "out", texts + [latin1])
+    assert meta["documents"] == 31 and meta["tokenizer"] == "gpt2"
+    assert "31 .py files" in meta["source"]
+    assert "(34 found: 1 duplicates, 1 empty and 1 undecodable dropped)" in meta["source"]
+
+    # the same contents, renamed and moved: the same documents in the same splits, in the same order
+    write_python_files(tmp_path / "b", [texts[0], *texts[::-1]],
+                       ["z/first.py", *(f"q{i}.py" for i in range(30))])
+    (tmp_path / "b" / "lat.py").write_bytes(latin1.encode("latin-1"))
+    pd.main(args + [f"--input={tmp_path / 'b'}", f"--out_dir={tmp_path / 'renamed'}"])
+    def shards_of(folder):
+        return {name: data for name, data in contents(folder).items() if name.endswith(".bin")}
+    assert shards_of(tmp_path / "renamed") == shards_of(tmp_path / "out")
+
 def test_pydocs_is_deterministic(tmp_path):
     for name in ("a", "b"):
         pd.main(["--dataset=pydocs", "--tokenizer=byte", f"--out_dir={tmp_path / name}"])
@@ -317,6 +353,7 @@ BAD_INPUT = [
     (["--dataset=text", "--input=no/such/folder"], "no/such/folder does not exist"),
     (["--dataset=text", "--input={empty}"], "no .txt files"),
     (["--dataset=fineweb-edu", "--input={empty}"], "no .parquet files"),
+    (["--dataset=pysource", "--input={empty}"], "no .py files"),
     (["--val_fraction=1.5"], "invalid fraction value"),
     (["--max_tokens=inf"], "invalid count value"),
 ]

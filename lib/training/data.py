@@ -24,7 +24,7 @@ from lib.training.configurator import ConfigError, check_fields
 MAGIC = b"LRKVTOK\0"
 VERSION = 1
 HEADER = struct.Struct("<8sQQ")  # magic, version, number of tokens
-DATASETS = ("fineweb-edu", "pydocs", "text")
+DATASETS = ("fineweb-edu", "pydocs", "pysource", "text")
 TOKENIZERS = ("gpt2", "byte")
 
 # -----------------------------------------------------------------------------
