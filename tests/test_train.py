@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from pydoc_data.topics import topics
 
-from lib.training import checkpoint
+from lib.training import checkpoint, configurator
 
 from lib.attention import convert
 
@@ -640,6 +641,48 @@ def test_a_full_disk_while_logging_leaves_the_log_whole(tmp_path):
         with pytest.raises(checkpoint.WriteError, match="log.jsonl: No space left on device"):
             checkpoint.start_log(disk, 1)
         assert (disk / "log.jsonl").read_bytes() == whole and not (disk / "log.jsonl.tmp").exists()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_signal_while_saving_ends_the_run_in_one_line_and_keeps_the_checkpoint(signum, data_dir, tmp_path,
+                                                                                 capsys, monkeypatch):
+    """Ctrl-C, SIGTERM and SIGHUP (a closed terminal) in the middle of the second checkpoint's write, as
+    run_main runs train.py: one line, exit code 128 + the signal's number (130 for Ctrl-C, not 0), the
+    first checkpoint whole and no temporary file; handlers put back after. Where the run has none for
+    SIGTERM or SIGHUP, the save says so instead of sending it (it would end the tests)."""
+    real_save, saves = torch.save, []
+
+    def half_save(obj, f):
+        saves.append(obj["step"])
+        if len(saves) == 1:
+            return real_save(obj, f)
+        assert signal.getsignal(signum) not in (signal.SIG_DFL, signal.SIG_IGN), "no handler: a kill"
+        f.write(b"PK\x03\x04 half a checkpoint")
+        os.kill(os.getpid(), signum)
+        time.sleep(5)  # the handler raises before this ends
+
+    monkeypatch.setattr(torch, "save", half_save)
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    try:
+        code = configurator.run_main(lambda: train.main(flags(data_dir=data_dir, out_dir=tmp_path)))
+    except KeyboardInterrupt:  # not run_main's: failed here, not as pytest's own Ctrl-C (the session's end)
+        pytest.fail("Ctrl-C went through run_main as a KeyboardInterrupt")
+    said = "interrupted" if signum == signal.SIGINT else f"stopped by {signum.name}"
+    assert (code, saves, capsys.readouterr().err.splitlines()[-1]) == (128 + signum, [STOP, 2 * STOP],
+                                                                       f"train.py: {said}")
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == STOP
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "log.jsonl"]
+    assert signal.getsignal(signal.SIGTERM) == signal.getsignal(signal.SIGHUP) == signal.SIG_DFL
+
+
+def test_run_main_leaves_an_ignored_sighup_ignored():
+    """nohup's SIGHUP stays ignored while a script runs: a closed terminal does not end it."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        assert configurator.run_main(lambda: signal.getsignal(signal.SIGHUP)) == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 def test_a_second_run_into_a_folder_in_use_is_refused(data_dir, tmp_path, capsys):

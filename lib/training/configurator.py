@@ -4,7 +4,8 @@ Flags and presets, as train.py and plan.py read them: every field of the config 
 applied before the flags. Any mistake is a ConfigError, reported as one line. Beside them, what
 every script shares in reading its input: ArgumentParser, whose errors are one line, and
 check_fields, which checks a record read from a file (meta.json, a checkpoint) field by field; and
-in ending, run_main, which turns a reader that closed the script's output early into a quiet exit.
+in ending, run_main, which turns a reader that closed the script's output early into a quiet exit,
+and Ctrl-C, SIGTERM and SIGHUP into one line and the shell's exit code.
 """
 
 import argparse
@@ -35,13 +36,32 @@ class ArgumentParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where the script is, as Ctrl-C's KeyboardInterrupt is (a subclass of it),
+    so that what cleans up after Ctrl-C (atomic writes, eval.py's and export_hf.py's) cleans up after it."""
+
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def stop(signum, frame):
+    raise Stopped(signum)
+
+
 def run_main(main):
     """main()'s exit code, for a script's `sys.exit(run_main(main))`; or, where its stdout is a pipe
     whose reader has gone (`python eval.py --list | head -n 1`), 141 and no traceback: what a shell
     reports for a Unix tool that SIGPIPE ends at its next write (Python ignores SIGPIPE, so the
     write raises BrokenPipeError instead). What stdout still buffers is flushed here, so that the
     pipe's end is met inside; then stdout points at /dev/null, so that Python's flush at exit writes
-    nowhere. A BrokenPipeError from another pipe is raised as it is."""
+    nowhere. A BrokenPipeError from another pipe is raised as it is. Ctrl-C, and SIGTERM and SIGHUP
+    (where not ignored, as nohup ignores SIGHUP), end main() by an exception of the KeyboardInterrupt
+    kind, which says so in one line (rank 0's alone under torchrun) and gives 128 + the signal's number
+    (130 for Ctrl-C): no traceback, and what the script writes atomically whole."""
+    caught = [s for s in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(s) == signal.SIG_DFL]
+    for signum in caught:
+        signal.signal(signum, stop)
     try:
         code = main()
         sys.stdout.flush()
@@ -50,6 +70,15 @@ def run_main(main):
             raise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
+    except KeyboardInterrupt as e:
+        signum = getattr(e, "signum", signal.SIGINT)
+        if os.environ.get("RANK", "0") == "0":
+            said = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+            print(f"{os.path.basename(sys.argv[0])}: {said}", file=sys.stderr)
+        return 128 + signum
+    finally:
+        for signum in caught:
+            signal.signal(signum, signal.SIG_DFL)
     return code
 
 
