@@ -218,20 +218,23 @@ def key_scores(attn, q, k_shared, r_k, rho, rope):
         B_h^T Rot_s^T q_h = sum_i cos(s theta_i) (q_i B_h[i] + q_i' B_h[i'])
                                 + sin(s theta_i) (q_i B_h[i'] - q_i' B_h[i])
 
-    which for every s and h at once is rope (S, d_h), the rows [cos | sin], times a (d_h, H r) matrix
-    M_n built from sequence n's queries and every B_h: one GEMM, the rebuild's S H r d_h multiply-adds
-    without its (S, H, d_h) tensors and their norm and rotation. No exact form does less with this
-    cache: each score needs a d_h-wide rotated residual key of which the cache holds r numbers. The
-    GEMM runs over chunks of positions (_residual_key_scores)."""
+    which for every s, h and sequence n at once is rope (S, d_h), the rows [cos | sin], times one
+    (d_h, N H r) matrix M built from every sequence's queries and every B_h: one GEMM for the batch
+    (positions are absolute, so every sequence's rope rows are the same), the rebuild's S H r d_h
+    multiply-adds a sequence without its (S, H, d_h) tensors and their norm and rotation. No exact form
+    does less with this cache: each score needs a d_h-wide rotated residual key of which the cache holds
+    r numbers. The GEMM runs over chunks of positions (_residual_key_scores)."""
     H, d_h, r = attn.n_head, attn.head_dim, attn.lrkv_rank
     q = q[:, 0] / math.sqrt(d_h)  # (N, H, d_h), the softmax's scale taken in
-    N = q.size(0)
-    q1, q2 = q.unsqueeze(-1).chunk(2, dim=2)  # (N, H, d_h/2, 1) each: q_i and q_i', i < d_h/2
-    B_h1, B_h2 = attn.B_k.view(H, d_h, r).chunk(2, dim=1)  # (H, d_h/2, r) each: every B_h's rows i and i'
-    M_cos = q1 * B_h1 + q2 * B_h2  # (N, H, d_h/2, r): the coefficients of cos(s theta_i) above
-    M_sin = q1 * B_h2 - q2 * B_h1  # (N, H, d_h/2, r): those of sin(s theta_i)
-    M = torch.cat((M_cos, M_sin), dim=2)  # (N, H, d_h, r): row j goes with column j of rope, [cos | sin]
-    M = M.permute(0, 2, 1, 3).reshape(N, d_h, H * r)  # (N, d_h, H r): rope[s] @ M[n], every B_h^T Rot_s^T q_h
+    N, half = q.size(0), d_h // 2
+    # the products in fp32 at least (bf16's elementwise products ran slower than fp32's here), M in q's dtype
+    wide = torch.promote_types(q.dtype, torch.float32)
+    q1, q2 = q.to(wide).permute(2, 0, 1).unsqueeze(-1).chunk(2, dim=0)  # (d_h/2, N, H, 1): q_i, q_i'
+    B_h = attn.B_k.to(wide).view(H, d_h, r).transpose(0, 1).unsqueeze(1)  # (d_h, 1, H, r): row i of every B_h
+    B_h1, B_h2 = B_h.chunk(2, dim=0)  # (d_h/2, 1, H, r) each: rows i and i'
+    M = q.new_empty(d_h, N, H, r)  # row j goes with column j of rope, [cos | sin]
+    M[:half].copy_(torch.addcmul(q1 * B_h1, q2, B_h2))  # the coefficients of cos(s theta_i) above
+    M[half:].copy_(torch.addcmul(q1 * B_h2, q2, B_h1, value=-1))  # those of sin(s theta_i)
     residual_term = _residual_key_scores(rope.to(q.dtype), M, r_k)  # (N, S, H)
     if torch.is_tensor(k_shared):
         # (N, H, S): + MQA's
@@ -242,25 +245,26 @@ def key_scores(attn, q, k_shared, r_k, rho, rope):
 
 
 def _residual_key_scores(rope, M, r_k):
-    """(B_h^T Rot_s^T q_h) . r_{h,s} for every sequence n, position s and head h: (N, S, H),
-    from the RoPE rows rope (S, d_h), M (N, d_h, H r) and r_k (N, S, H, r), a chunk of positions
-    at a time. All at once, rope @ M[n] would be an (N, S, H, r) tensor as large as r_k, written
-    to memory and read back; a chunk's stays in the processor's cache between the GEMM and the
-    dot product with r_k (docs/decoding.md: the roofline and the chunk sizes). r_k may be a quantised
-    cache's codes (quant.Codes), whose dot reads a chunk's codes."""
+    """(B_h^T Rot_s^T q_h) . r_{h,s} for every sequence n, position s and head h: (N, S, H), from the RoPE
+    rows rope (S, d_h), M (d_h, N, H, r) and r_k (N, S, H, r), a chunk of positions at a time, each chunk's
+    product of every sequence by one GEMM, (chunk, d_h) @ (d_h, N H r). All at once, rope @ M would be an
+    (S, N, H, r) tensor as large as r_k, written to memory and read back; a chunk's stays in the processor's
+    cache between the GEMM and the dot product with r_k (docs/decoding.md: the roofline and the chunk
+    sizes). r_k may be a quantised cache's codes (quant.Codes), whose dot reads a chunk's codes and takes
+    the product (N, n, H, r) as a view of the GEMM's result, laid out as the codes lie."""
     N, S, H, r = r_k.shape
+    M = M.view(M.size(0), N * H * r)
     chunk_bytes = 2**25 if M.is_cuda else 2**22
     chunk = max(1, chunk_bytes // (N * H * r * M.element_size()))
-    if not torch.is_tensor(r_k) and r_k.dot_position_last:  # the chunk's product laid out as the codes lie
-        M_t = M.transpose(1, 2).contiguous()  # (N, H r, d_h)
-        return torch.cat([r_k.dot((M_t @ rope[s:s + chunk].T).view(N, H, r, -1).permute(0, 3, 1, 2),
+    if not torch.is_tensor(r_k) and r_k.dot_position_last:  # positions contiguous: (N H r, n), then a view
+        return torch.cat([r_k.dot((M.T @ rope[s:s + chunk].T).view(N, H, r, -1).permute(0, 3, 1, 2),
                                   s, min(s + chunk, S)) for s in range(0, S, chunk)], dim=1)
     if not torch.is_tensor(r_k):
-        return torch.cat([r_k.dot((rope[s:s + chunk] @ M).view(N, -1, H, r), s, min(s + chunk, S))
-                          for s in range(0, S, chunk)], dim=1)
+        return torch.cat([r_k.dot((rope[s:s + chunk] @ M).view(-1, N, H, r).transpose(0, 1), s,
+                                  min(s + chunk, S)) for s in range(0, S, chunk)], dim=1)
     # the dot product over r in place in the GEMM's fresh result: no second chunk-sized tensor
-    return torch.cat([(rope[s:s + chunk] @ M).view(N, -1, H, r).mul_(r_k[:, s:s + chunk]).sum(-1)
-                      for s in range(0, S, chunk)], dim=1)
+    return torch.cat([(rope[s:s + chunk] @ M).view(-1, N, H, r).mul_(r_k[:, s:s + chunk].transpose(0, 1))
+                      .sum(-1).transpose(0, 1) for s in range(0, S, chunk)], dim=1)
 
 
 def attend_values_reference(attn, a, v_shared, r_v):
