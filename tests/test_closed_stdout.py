@@ -20,7 +20,7 @@ SIGPIPE_STATUS = 128 + signal.SIGPIPE  # 141
 
 # Every script with a __main__, each ending in sys.exit(run_main(main))
 SCRIPTS = ["train.py", "sample.py", "eval.py", "analyze.py", "prepare_data.py", "export_hf.py",
-           "tools/bench.py", "tools/quant_frontier.py", "tools/plan.py"]
+           "tools/bench.py", "tools/quant_frontier.py", "tools/plan.py", "tools/loss_table.py"]
 
 
 def into_finished_head(command, buffered=True):
