@@ -9,7 +9,7 @@ import torch
 from lib.attention.decode import ExactKVCache, FixedKVCache
 from lib.attention.engine import Engine
 from lib.attention.layout import kv_cache_elements_per_token
-from lib.attention.paged import PagedKVCache, blocks_for
+from lib.attention.paged import PagedKVCache, blocks_for, bucket, paged_cache_class
 from lib.attention.quant import Int4KVCache, Int8KVCache
 from lib.attention.ring import RingKVCache
 from model import VARIANTS
@@ -116,6 +116,51 @@ def test_int4_pages_its_key_groups_as_blocks(attn):
         got, engine = serve(model, model.kv_cache_bytes(len(LENGTHS), 64, torch.float32), Int4Groups4)
         assert engine.cache.block_size == 4 and engine.cache.held_bytes() == 0, layout
         assert got == [alone(model, prompt, NEW, Int4Groups4, 64) for prompt in prompts(LENGTHS)], layout
+
+
+@pytest.mark.parametrize("storage", [RingKVCache, Int8KVCache, Int4Groups4], ids=["plain", "int8", "int4"])
+@pytest.mark.parametrize("attn", ["mha", "gqa", "lrkv", "mla"])
+def test_a_decode_forward_of_bucketed_shapes_gives_every_rows_logits_alone(attn, storage):
+    """One token a row through the single-token steps, their rows and positions padded to buckets (3 rows
+    read as 4, at most 24 positions as 32): each row's logits are its own alone, to fp32's round-off, and
+    the padding neither writes nor holds a slot."""
+    assert [bucket(n, 4) for n in (1, 2, 3, 4, 5, 9)] == [1, 2, 4, 4, 8, 12]
+    assert [bucket(n, 32) for n in (1, 17, 24, 32, 33)] == [1, 32, 32, 32, 64]
+    model = tiny_model(attn, n_layer=2, block_size=64)
+    cache = paged_cache_class(storage)(model, 10**6, torch.float32, block_size=4)
+    contexts = prompts([5, 23, 9])
+    with torch.no_grad():
+        for seq, context in enumerate(contexts):  # each prompt alone, less its last token
+            assert cache.grow(seq, len(context) - 1)
+            cache.select([seq])
+            model(torch.tensor([context[:-1]]), cache=cache)
+        held = cache.held_bytes()
+        for seq, context in enumerate(contexts):
+            assert cache.grow(seq, 1)
+        cache.select(range(len(contexts)))
+        together = model(torch.tensor([[context[-1]] for context in contexts]), cache=cache)[0][:, -1]
+        for row, context in enumerate(contexts):
+            ring = model.new_cache(1, 64, torch.float32, cache_class=storage)
+            alone_logits = model(torch.tensor([context]), cache=ring)[0][0, -1]
+            torch.testing.assert_close(together[row], alone_logits, atol=1e-5, rtol=1e-5)
+    assert cache.held_bytes() >= held and sorted(cache.lengths.values()) == sorted(map(len, contexts))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_pools_int8_read_in_its_dtype_is_the_fp32_values_rounded_once(dtype):
+    """The paged pool holds int8 entries slot by slot (each slot's numbers contiguous, for its gathers), and
+    reads them in the cache's dtype: bit for bit the fp32 products c s rounded to that dtype."""
+    model = tiny_model("mha", n_layer=1, block_size=64).to(dtype)
+    cache = paged_cache_class(Int8KVCache)(model, 10**6, dtype, block_size=4)
+    buffers = cache.layers[0]
+    assert buffers["k"].is_contiguous() and buffers["v"].is_contiguous()  # a slot's numbers together
+    torch.manual_seed(0)
+    slots = torch.randperm(cache.n_blocks * 4)[:40]
+    cache.store(0, slots, {name: torch.randn(1, 40, *shape, dtype=dtype)
+                           for name, shape in model.blocks[0].attn.cache_shapes().items()})
+    for name, got in cache.load(0, slots).items():
+        codes, scale = buffers[name][0, slots], buffers[f"{name}.scale"][0, slots]
+        assert got.dtype == dtype and torch.equal(got[0], (codes.float() * scale.float()).to(dtype)), name
 
 
 @pytest.mark.parametrize("storage", [RingKVCache, Int8KVCache, Int4Groups4], ids=["plain", "int8", "int4"])

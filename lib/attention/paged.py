@@ -47,10 +47,22 @@ from lib.attention.ring import RingKVCache, visible
 # GPU, SDPA's fused kernel). Every other variant decodes by the plain path below
 ROW_MASK_STEPS = {lrkv_step, mla_step}
 CPU_ROW_MASK_STEPS = ROW_MASK_STEPS | {gqa_step}
+# The buckets of those steps' shapes (attend): rows and positions read rounded up to a multiple of each
+ROW_BUCKET, POSITION_BUCKET = 4, 32
+
+
+def bucket(n, size):
+    """n rounded up to a multiple of size; below size, to a power of two (a single row stays one)."""
+    return -(-n // size) * size if n > size else 1 << (n - 1).bit_length()
 
 
 class PagedKVCache(RingKVCache):
     """A pool of blocks within budget bytes (the module's docstring); sequences are any hashable ids."""
+
+    # a quantised storage's entries held slot by slot, each slot's numbers contiguous: attend gathers a
+    # row's slots, where the orders of quant.py's code reads (a channel's positions contiguous) would
+    # scatter every slot's numbers across the pool
+    position_last = head_major = ()
 
     def __init__(self, model, budget, dtype=None, device=None, block_size=16):
         # whole: blocks stored whole once full (a storage with key groups: its group is the block)
@@ -125,7 +137,8 @@ class PagedKVCache(RingKVCache):
         """A new sequence holding table's blocks ({owner: [block]}, whole), its tails' blocks reserved."""
         self.reserved[seq] = [self.free.pop() for _ in range(self.tail_blocks)]
         self.tables[seq], self.lengths[seq] = table, len(next(iter(table.values()))) * self.block_size
-        whole = -(-self.max_len // self.block_size) * self.block_size  # the last block may pass max_len
+        # whole blocks (the last may pass max_len), and a bucket of positions past them (attend's shapes)
+        whole = -(-self.max_len // self.block_size) * self.block_size + POSITION_BUCKET
         self.slot_maps[seq] = {owner: torch.full((whole,), -1) for owner in table}
         for owner, blocks in table.items():
             for i, block in enumerate(blocks):
@@ -219,10 +232,10 @@ class PagedKVCache(RingKVCache):
                              f"{int(here.max()) + 1} were asked for")
         return self.rope[here.to(self.rope.device)]  # (B, T, rope_dim)
 
-    def row_slots(self, owner, start, stop):
-        """The pool's slots (B, stop - start) of the rows' positions start..stop-1 in owner, -1 where a row's
+    def row_slots(self, rows, owner, start, stop):
+        """The pool's slots (B, stop - start) of rows' positions start..stop-1 in owner, -1 where a row's
         block holds none (freed out of its window, or past its last)."""
-        return torch.stack([self.slot_maps[seq][owner][start:stop] for seq in self.rows])
+        return torch.stack([self.slot_maps[seq][owner][start:stop] for seq in rows])
 
     def attend(self, attn, q, x, rope):
         """attn's tokens x (B, T, d), each row's next T positions, leave their entries in their rows' blocks
@@ -244,22 +257,33 @@ class PagedKVCache(RingKVCache):
         end = max(firsts) + T
         # from the first position that any row's first query may see in the owner's span
         start = 0 if span == self.max_len else max(0, min(firsts) - span + 1)
-        keys = torch.arange(start, end)  # (S,): the positions read
-        slots = self.row_slots(owner, start, end)  # (B, S)
+        source = self.sources[owner]
+        step = step_for(attn, source) if T == 1 else None
+        row_steps = CPU_ROW_MASK_STEPS if q.device.type == "cpu" else ROW_MASK_STEPS
+        rows, S = self.rows, end - start
+        if step in row_steps:  # one token a row: its variant's exact step, on shapes of a few buckets, where
+            # the GEMMs of a shape met for the first time cost a CPU twice those of one met before (oneDNN
+            # makes each shape's kernel once): the rows padded by copies of the first, dropped after, and
+            # the positions by masked ones past the end
+            rows = rows + rows[:1] * (bucket(B, ROW_BUCKET) - B)
+            S = bucket(S, POSITION_BUCKET)
+            index = torch.tensor([*range(B)] + [0] * (len(rows) - B))
+            here, new, q = here[index], new[index], q[index.to(q.device)]
+        keys = torch.arange(start, start + S)  # (S,): the positions read
+        slots = self.row_slots(rows, owner, start, start + S)  # (B, S)
         held = (slots >= 0) & (keys <= here[:, -1:])  # past a row's end: nothing there yet
         # where a row holds no position, its newest entry, masked: a key RMS of 0 would make keys of 0 / 0
         slots = torch.where(held, slots, new[:, -1:])
-        entries = {name: e.view(B, -1, *e.shape[2:])
+        entries = {name: e.view(len(rows), -1, *e.shape[2:])
                    for name, e in self.load(owner, slots.flatten().to(x.device)).items()}
         if self.whole:
-            entries = self.with_tails(owner, keys, held, here, entries)
+            entries = self.with_tails(rows, owner, keys, held, here, entries)
         k_pos = torch.where(held, keys, -1).to(q.device)
         mask = visible(here.to(q.device), k_pos, window).unsqueeze(1)  # (B, 1, T, S)
-        source, rope = self.sources[owner], self.rope[start:end]  # every row's positions start..end-1
-        step = step_for(attn, source) if T == 1 else None
-        row_steps = CPU_ROW_MASK_STEPS if q.device.type == "cpu" else ROW_MASK_STEPS
-        if step in row_steps:  # one token a row: its variant's exact step, each row its own mask
-            return step(source, q, entries, rope, mask[:, :, 0])  # mask (B, 1, S) against scores (B, H, S)
+        # every row's positions start..start+S-1 (those past the context masked: any row will do)
+        rope = self.rope[keys.clamp(max=self.max_len - 1).to(self.rope.device)]
+        if step in row_steps:
+            return step(source, q, entries, rope, mask[:, :, 0])[:B]  # mask (B, 1, S), scores (B, H, S)
         prompt = B == 1 and end == T and window is None  # a whole prompt at once: Attention.attend's causal
         k, v = source.cached_keys_values(rope, **entries)
         return attn.attend(q, k, v, None if prompt else mask)
@@ -294,8 +318,8 @@ class PagedKVCache(RingKVCache):
                     slots = torch.arange(block * bs, (block + 1) * bs, device=device)
                     self.store(owner, slots, tail)
 
-    def with_tails(self, owner, keys, held, here, entries):
-        """entries {name: (B, S, *shape)} of positions keys (S,), those of each row's block not yet full
+    def with_tails(self, rows, owner, keys, held, here, entries):
+        """entries {name: (B, S, *shape)} of rows' positions keys (S,), those of each row's block not yet full
         taken from its tail; where a row holds no position (held False), its newest entry, as attend's."""
         bs = self.block_size
         end = here[:, -1:] + 1  # (B, 1): each row's positions after this forward
@@ -308,8 +332,8 @@ class PagedKVCache(RingKVCache):
             if name not in KEYS:
                 out[name] = e
                 continue
-            tails = torch.cat([self.tails[seq][owner][name] for seq in self.rows])  # (B, bs, *shape)
-            taken = tails[torch.arange(len(self.rows))[:, None], within.to(tails.device)]  # (B, S, *shape)
+            tails = torch.cat([self.tails[seq][owner][name] for seq in rows])  # (B, bs, *shape)
+            taken = tails[torch.arange(len(rows))[:, None], within.to(tails.device)]  # (B, S, *shape)
             where = fresh.to(e.device).view(*fresh.shape, *[1] * (e.dim() - 2))
             out[name] = torch.where(where, taken.to(e.dtype), e)
         return out

@@ -57,12 +57,12 @@ INT8_POSITION_LAST = POSITION_LAST + ("r_k",)
 INT4_POSITION_LAST = POSITION_LAST + KEYS
 
 
-def laid_out(name, size, dtype, device, position_last=POSITION_LAST):
+def laid_out(name, size, dtype, device, position_last=POSITION_LAST, head_major=HEAD_MAJOR):
     """A zero buffer of logical size (B, L, *shape), held in the order above for name."""
     n = len(size)
     if name in position_last:
         order = (0, *range(2, n), 1)
-    elif name in HEAD_MAJOR and n == 4:
+    elif name in head_major and n == 4:
         order = (0, 2, 1, 3)
     else:
         return torch.zeros(size, dtype=dtype, device=device)
@@ -86,7 +86,14 @@ class QuantisedKVCache(RingKVCache):
     """What both storages share: a KEPT entry held as it is, in the cache's dtype; every other one through
     the subclass's allocate_entry (its buffers, {name: ..., name.scale: ...}), store_entry and load_entry
     (fp32 values), cast back to the dtype it was computed in; load_codes, the same slots as Codes, for the
-    steps that read codes (decode.py)."""
+    steps that read codes (decode.py). position_last and head_major: the entries held in those orders
+    (above), for the reads of Codes; a cache whose reads gather slots (paged.py's pool) holds none so."""
+
+    position_last, head_major = POSITION_LAST, HEAD_MAJOR
+
+    @property
+    def layouts(self):
+        return self.position_last, self.head_major
 
     def allocate(self, shapes, length, device):
         buffers = {}
@@ -109,7 +116,7 @@ class QuantisedKVCache(RingKVCache):
     def load(self, layer, slots):
         buffers, out = self.layers[layer], {}
         for name, dtype in self.dtypes[layer].items():
-            x = gather(buffers[name], slots) if name in KEPT else self.load_entry(buffers, name, slots)
+            x = gather(buffers[name], slots) if name in KEPT else self.load_entry(buffers, name, slots, dtype)
             out[name] = x.to(dtype)
         return out
 
@@ -129,9 +136,11 @@ class QuantisedKVCache(RingKVCache):
 class Int8KVCache(QuantisedKVCache):
     """int8 entries with a scale per row (the last dim), rho as it is (module docstring)."""
 
+    position_last = INT8_POSITION_LAST
+
     def allocate_entry(self, name, shape, length, device):
         B = self.batch_size
-        return {name: laid_out(name, (B, length, *shape), torch.int8, device, INT8_POSITION_LAST),
+        return {name: laid_out(name, (B, length, *shape), torch.int8, device, *self.layouts),
                 f"{name}.scale": torch.zeros(B, length, *shape[:-1], 1, dtype=self.dtype, device=device)}
 
     def store_entry(self, layer, buffers, name, slots, x):
@@ -144,8 +153,12 @@ class Int8KVCache(QuantisedKVCache):
         buffers[name][:, slots] = q.to(torch.int8)
         buffers[f"{name}.scale"][:, slots] = scale
 
-    def load_entry(self, buffers, name, slots):
-        scale = wide(gather(buffers[f"{name}.scale"], slots))
+    def load_entry(self, buffers, name, slots, dtype=None):
+        """The values c s in fp32, or in dtype where the scale is held in it (bf16, fp16): there a code
+        times its scale is exact in fp32, so one rounding to dtype gives what fp32's then dtype's do."""
+        scale = gather(buffers[f"{name}.scale"], slots)
+        if not (dtype == scale.dtype and dtype in (torch.bfloat16, torch.float16)):
+            scale = wide(scale)
         return gather(buffers[name], slots).to(scale.dtype) * scale
 
     def codes(self, buffers, name, S, dtype):
@@ -189,6 +202,7 @@ class Int4KVCache(QuantisedKVCache):
     by row; rho as it is. An entry's last dim must be even (two codes a byte)."""
 
     group = 64  # G: the slots a key group's scales cover (KIVI's 32 to 128)
+    position_last = INT4_POSITION_LAST
 
     def allocate_entry(self, name, shape, length, device):
         if shape[-1] % 2:
@@ -198,13 +212,13 @@ class Int4KVCache(QuantisedKVCache):
         if name in KEYS:  # per channel, over each group of G slots; the codes padded to whole groups
             groups = -(-length // G)
             # filling, the same for every row: the group being filled's first slot, and its slots filled
-            return {name: laid_out(name, (B, groups * G, *packed), torch.uint8, device, INT4_POSITION_LAST),
+            return {name: laid_out(name, (B, groups * G, *packed), torch.uint8, device, *self.layouts),
                     f"{name}.low": zeros(B, groups, *shape), f"{name}.scale": zeros(B, groups, *shape),
                     f"{name}.residual": zeros(B, G, *shape),
                     f"{name}.filling": torch.zeros(B, 2, dtype=torch.long, device=device)}
         rows = token_rows(shape)  # per token, a row or two
         per_token = (B, length, *shape[:-len(rows)], *[1] * len(rows))
-        return {name: laid_out(name, (B, length, *packed), torch.uint8, device, INT4_POSITION_LAST),
+        return {name: laid_out(name, (B, length, *packed), torch.uint8, device, *self.layouts),
                 f"{name}.low": zeros(per_token), f"{name}.scale": zeros(per_token)}
 
     def store_entry(self, layer, buffers, name, slots, x):
@@ -260,7 +274,7 @@ class Int4KVCache(QuantisedKVCache):
     def codes(self, buffers, name, S, dtype):
         return Int4Codes(self, buffers, name, S, dtype)
 
-    def load_entry(self, buffers, name, index):
+    def load_entry(self, buffers, name, index, dtype=None):  # fp32 values, whatever dtype
         if name not in KEYS:
             return int4_values(*(gather(buffers[f"{name}{part}"], index) for part in ("", ".low", ".scale")))
         residual = buffers[f"{name}.residual"]
