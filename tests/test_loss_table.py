@@ -38,10 +38,22 @@ def test_the_table_is_at_the_last_step_every_run_evaluated(tmp_path, capsys):
     assert "| gta | 3.900 | 1.500 | 1 | - | - | - | 30: 3.300 |" in markdown
 
 
+def test_a_run_with_no_evaluation_is_a_row_of_none(tmp_path):
+    """A run stopped (or failed) before its first evaluation does not hide the others' table."""
+    write_log(tmp_path / "mha", {10: (5.0, 2.0)})
+    write_log(tmp_path / "mla", {}, train_steps=(1, 2))
+    loss_table.main([str(tmp_path)])
+    table = json.loads((tmp_path / "loss_table.json").read_text())
+    rows = [(r["run"], r["val_loss"], r["rank"], r["last_step"], r["paper_rank"]) for r in table["runs"]]
+    assert table["step"] == 10 and rows == [("mha", 5.0, 1, 10, 2), ("mla", None, None, None, 1)]
+    assert "| mla | - | - | - | MLA | 2.901 | 1 | no evaluation |" in (tmp_path / "loss_table.md").read_text()
+
+
 @pytest.mark.parametrize("logs, message", [
     ({}, "no */log.jsonl"),
-    ({"mha": {10: (5.0, 2.0)}, "mla": {}}, "no step that every run evaluated: mla logged no evaluation"),
-    ({"mha": {10: (5.0, 2.0)}, "mla": {20: (4.0, 1.0)}}, "their evaluations' steps differ"),
+    ({"mha": {}, "mla": {}}, "no */log.jsonl (train.py's) with an evaluation"),
+    ({"mha": {10: (5.0, 2.0)}, "mla": {20: (4.0, 1.0)}},
+     "no step that every run evaluated: their evaluations' steps differ"),
 ])
 def test_no_common_step_is_one_line_and_writes_nothing(tmp_path, logs, message):
     for name, evals in logs.items():

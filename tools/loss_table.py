@@ -1,6 +1,7 @@
 """
 The validation loss of every run in a folder at one step that all of them evaluated (the last such),
-beside the paper's test loss at 128M for the same variant: tools/bench_gpu.sh's loss table.
+beside the paper's test loss at 128M for the same variant: tools/bench_gpu.sh's loss table. A run
+that logged no evaluation (stopped or failed before its first) is a row without numbers.
 
     python -m tools.loss_table out/gpu/figures --tokens_per_step=32768
 
@@ -33,27 +34,26 @@ def ranks(values):
 
 def loss_table(folder):
     """{"step", "runs": [{"run", "val_loss", "val_bpb", "rank", "paper", "paper_loss", "paper_rank",
-    "last_step", "last_val_loss"}, ...]} at the last step that every run's log has an evaluation of,
-    or a ConfigError that says why there is none."""
+    "last_step", "last_val_loss"}, ...]} at the last step that every run with an evaluation in its log
+    evaluated; a run with none (stopped, or failed, before its first) has None for its numbers. A
+    ConfigError where no run has one, or the runs' evaluations share no step."""
     evals = {}
     for log in sorted(Path(folder).glob("*/log.jsonl")):
         evals[log.parent.name] = {r["step"]: r for r in read_log(log.parent) if "val_loss" in r}
-    if not evals:
-        raise ConfigError(f"{folder}: no */log.jsonl (train.py's) to read")
+    if not any(evals.values()):
+        raise ConfigError(f"{folder}: no */log.jsonl (train.py's) with an evaluation to read")
     names = sorted(evals, key=lambda name: (list(PAPER).index(name) if name in PAPER else len(PAPER), name))
-    steps = set.intersection(*(set(evals[name]) for name in names))
+    steps = set.intersection(*(set(evals[name]) for name in names if evals[name]))
     if not steps:
-        unevaluated = [name for name in names if not evals[name]]
-        why = (f"{', '.join(unevaluated)} logged no evaluation" if unevaluated
-               else "their evaluations' steps differ")
-        raise ConfigError(f"{folder}: no step that every run evaluated: {why}")
+        raise ConfigError(f"{folder}: no step that every run evaluated: their evaluations' steps differ")
     step = max(steps)
     rows = []
     for name in names:
-        at, last = evals[name][step], max(evals[name])
+        at, last = evals[name].get(step, {}), max(evals[name], default=None)
         paper, paper_loss = PAPER.get(name, (None, None))
-        rows.append(dict(run=name, val_loss=at["val_loss"], val_bpb=at["val_bpb"], paper=paper,
-                         paper_loss=paper_loss, last_step=last, last_val_loss=evals[name][last]["val_loss"]))
+        rows.append(dict(run=name, val_loss=at.get("val_loss"), val_bpb=at.get("val_bpb"), paper=paper,
+                         paper_loss=paper_loss, last_step=last,
+                         last_val_loss=evals[name][last]["val_loss"] if evals[name] else None))
     for key, place in (("val_loss", "rank"), ("paper_loss", "paper_rank")):
         for row, rank in zip(rows, ranks([row[key] for row in rows])):
             row[place] = rank
@@ -61,6 +61,9 @@ def loss_table(folder):
 
 
 def markdown(table, tokens_per_step=None):
+    def number(x, digits=3):
+        return "-" if x is None else f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
     tokens = f", {table['step'] * tokens_per_step:,} tokens" if tokens_per_step else ""
     lines = [f"Validation loss (nats per token) at step {table['step']}{tokens}, the last step every run "
              "evaluated; one run (one seed) per variant. The paper's: test loss at 128M after 100B tokens "
@@ -69,10 +72,11 @@ def markdown(table, tokens_per_step=None):
              "last step: val loss |",
              "|---|---:|---:|---:|---|---:|---:|---:|"]
     for row in table["runs"]:
-        paper = [row["paper"] or "-", "-" if row["paper_loss"] is None else f"{row['paper_loss']:.3f}",
-                 "-" if row["paper_rank"] is None else str(row["paper_rank"])]
-        lines.append(f"| {row['run']} | {row['val_loss']:.3f} | {row['val_bpb']:.3f} | {row['rank']} | "
-                     f"{' | '.join(paper)} | {row['last_step']}: {row['last_val_loss']:.3f} |")
+        last = row["last_step"] and f"{row['last_step']}: {number(row['last_val_loss'])}"
+        ours = map(number, (row["val_loss"], row["val_bpb"], row["rank"]))
+        theirs = map(number, (row["paper_loss"], row["paper_rank"]))
+        cells = [row["run"], *ours, row["paper"] or "-", *theirs, last or "no evaluation"]
+        lines.append(f"| {' | '.join(cells)} |")
     return "\n".join(lines) + "\n"
 
 
