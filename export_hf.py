@@ -34,10 +34,10 @@ import inspect
 import json
 import os
 import re
+import secrets
 import shlex
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -236,12 +236,16 @@ def write_atomically(out, write):
     """Call write(folder) on a new temporary folder beside out, then rename it to out. Anything
     that fails removes the temporary folder, and the folders above out that this made."""
     made = [p for p in [out.parent, *out.parent.parents] if not p.exists()]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    # named before it is made, so that a Ctrl-C while it is made (or while its parents are) leaves nothing
+    tmp = out.parent / f".{out.name}.{secrets.token_hex(8)}"
+    while tmp.exists():  # not another's
+        tmp = out.parent / f".{out.name}.{secrets.token_hex(8)}"
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir(mode=0o700)
         write(tmp)
-        # mkdtemp's folder is private, and so is a file or two that transformers writes: the export is
-        # for whoever may read the folder it goes into
+        # the folder is private while it is written, and so is a file or two that transformers writes: the
+        # export is for whoever may read the folder it goes into
         tmp.chmod(0o755)
         for file in tmp.iterdir():
             file.chmod(0o644)
@@ -249,7 +253,8 @@ def write_atomically(out, write):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         for folder in made:  # deepest first
-            folder.rmdir()
+            if folder.exists():
+                folder.rmdir()
         raise
 
 
@@ -330,7 +335,11 @@ def native_model(model, eot):
         rms_norm_eps=torch.finfo(torch.float32).eps,
         rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
         final_logit_softcapping=None,  # nanochat's soft cap: this model has none
-        attention_bias=False, tie_word_embeddings=False, bos_token_id=eot, eos_token_id=eot, pad_token_id=eot)
+        # no pad id: NanoChat's embedding would take it as padding_idx, whose row never trains, and every id
+        # is a token (end-of-text among them, before every text); generate pads with end-of-text
+        # (generation_config.json), the tokenizer too, and a pad's label should be -100
+        attention_bias=False, tie_word_embeddings=False, bos_token_id=eot, eos_token_id=eot,
+        pad_token_id=None)
     with torch.device("meta"):
         hf = NanoChatForCausalLM(config)
     hf.load_state_dict(native_weights(model), strict=True, assign=True)  # strict: none of theirs left empty
@@ -458,6 +467,21 @@ def layout(c):
     return f"- Windows: {seen}.\n- Keys and values: {shared}."
 
 
+def peft_names(model, native):
+    """The names PEFT's target_modules and target_parameters take for the folder's model, each once in
+    order: its blocks' linear layers (what target_modules="all-linear" adapts: every nn.Linear but the
+    output layer), as the folder's class names them (a native folder's: NanoChat's, native_weights'), and
+    the parameters that no linear layer or embedding holds (LRKV's B_k and B_v)."""
+    if native:
+        linears = [name.split(".")[-2] for name in native_weights(model) if name.startswith("model.layers.")]
+        return list(dict.fromkeys(linears)), []
+    linears = [name.split(".")[-1] for name, m in model.blocks.named_modules()
+               if isinstance(m, torch.nn.Linear)]
+    bare = [name.split(".")[-1] for name, p in model.blocks.named_parameters()
+            if not isinstance(model.blocks.get_submodule(name.rpartition(".")[0]), torch.nn.Linear)]
+    return list(dict.fromkeys(linears)), list(dict.fromkeys(bare))
+
+
 SHAPE = ("n_layer", "n_head", "head_dim", "n_embd", "vocab_size", "block_size")  # every variant's
 LAYOUT = ("cla", "yoco", "window", "window_pattern")  # the card's layout lines say these
 
@@ -504,8 +528,10 @@ def card(ckpt, model, tok, native, command, out):
     requirement = transformers_requirement()
     trust = "" if native else ", trust_remote_code=True"
     limits = [f"The context: {c.block_size - (not native)} tokens of a sequence's own"
-              + ("" if native else f" (block_size {c.block_size}, one of them the end-of-text every sequence "
-                 "is read after); a longer sequence is refused in one line")]
+              + ("; transformers' `generate` goes past it, on positions the model never trained on" if native
+                 else f" (block_size {c.block_size}, one of them the end-of-text every sequence is read "
+                 "after); a longer sequence is refused in one line, and `generate` stops at the context (a "
+                 "prompt's pads counted) keeping what it made, with one warning line")]
     if native:
         load = "from_pretrained(folder)`, no remote code: transformers' NanoChatForCausalLM"
         held = (lambda d: model.kv_cache_bytes(1, 1, d)) if c.attn != "lrkv" else \
@@ -535,9 +561,10 @@ def card(ckpt, model, tok, native, command, out):
         reading = (f"The model reads every sequence after an end-of-text (id {tok.eot_id}), as every "
                    "training document starts with one, and the tokenizer adds none: a text is scored and "
                    "continued as this repository's sample.py and eval.py do, by lm-eval too")
-        limits += ["It attends through SDPA, whatever `attn_implementation` asks; it takes `input_ids`, "
-                   "not `inputs_embeds`, and gives no attention weights (`output_attentions`): each refused "
-                   "in one line. Its cache is not a static one: `generate` does not compile it",
+        limits += ["It attends through SDPA and caches with its LRKVCache: another `attn_implementation` or "
+                   "`cache_implementation` (`static`) is refused in one line, and so are attention weights "
+                   "(`output_attentions`). `inputs_embeds` are read after the end-of-text's embedding. Under "
+                   "`torch.compile` its forward is one graph (docs/export.md)",
                    "Trained through transformers (`Trainer`, gradient checkpointing), a left-padded row's "
                    "first token is predicted by the pad before it, as by the end-of-text: give pads the "
                    "label -100"]
@@ -552,6 +579,15 @@ def card(ckpt, model, tok, native, command, out):
     dimensions = ", ".join(f"{k} {getattr(c, k)}" for k in SHAPE)
     dimensions += (f"; its own: {', '.join(f'{k} {getattr(c, k)}' for k in own)}" if own else "")
     dimensions += f"; rope_theta {c.rope_theta}"
+    linears, bare = peft_names(model, native)
+    tuning = (f"`target_modules` names {', '.join(f'`{n}`' for n in linears)} (each block's linear layers, "
+              "what `\"all-linear\"` adapts, `lm_head` aside")
+    tuning += (f"; {', '.join(f'`{n}`' for n in bare)}, bare parameters that all-linear leaves: train them "
+               "whole beside the adapters (`requires_grad_()` after `get_peft_model`, and save the model), "
+               "as PEFT 0.22's `target_parameters` stops at its own error on a module holding a `W_q`, "
+               "HQQ's name)" if bare else ")")
+    tuning += ("; prompt tuning reads `hidden_size` and the other sizes from the config" if not native
+               else "; NanoChat's names, not the lrkv repository's (`W_q`, ...)")
     tags = "".join(f"- {tag}\n" for tag in ["lrkv", f"attention-{c.attn}", *(["custom_code"] * (not native))])
     limitations = "".join(f"- {line}.\n" for line in limits)
     return f"""---
@@ -568,6 +604,7 @@ Attention `--attn={c.attn}`, {model.get_num_params():,} parameters in {names.get
 - Load: `AutoModelForCausalLM.{load}; the tokenizer likewise, `AutoTokenizer`. Needs `{requirement}`.
 {layout(c)}
 - Cache: {cache}.
+- Fine-tuning with PEFT: {tuning}.
 - Tokenizer: {vocabulary}, end-of-text id {tok.eot_id}, padding on the left. {reading}.
 - Training: data `{cfg.get("data_dir", "?")}` ({meta.get("source", "?")}), {steps} steps{tokens}.
 - Validation loss: {f"{val:.4f}" if isinstance(val, float) else "not recorded"} nats per token.
@@ -581,7 +618,7 @@ folder = "{out}"
 model = AutoModelForCausalLM.from_pretrained(folder{trust})
 tok = AutoTokenizer.from_pretrained(folder{trust})
 ids = tok("def parse(text):", return_tensors="pt")
-print(tok.decode(model.generate(**ids, max_new_tokens=50, do_sample=False)[0]))
+print(tok.decode(model.generate(**ids, max_new_tokens=50, do_sample=False)[0], skip_special_tokens=True))
 ```
 
 Limitations:

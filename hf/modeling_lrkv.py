@@ -30,6 +30,7 @@ import hashlib
 import inspect
 import json
 import re
+import sys
 from dataclasses import dataclass, fields
 
 import safetensors
@@ -54,10 +55,29 @@ MIN_TRANSFORMERS = (5, 0)
 
 
 def check_transformers(version):
-    """An ImportError of one line where the transformers that imports this file is older than it needs."""
+    """An ImportError of one line where the transformers that imports this file is older than it needs,
+    which a script that does not catch it ends with in that one line (said_in_one_line)."""
     if PreTrainedConfig is None or tuple(int(part) for part in version.split(".")[:2]) < MIN_TRANSFORMERS:
-        raise ImportError(f"this model needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))}, not "
-                          f"{version}: pip install -U 'transformers>=5'")
+        error = ImportError(f"this model needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))}, not "
+                            f"{version}: pip install -U 'transformers>=5'")
+        said_in_one_line(error)
+        raise error
+
+
+def said_in_one_line(error):
+    """Python's hook for an exception nothing catches, made to print error (or an exception it caused) as
+    its one line, `ImportError: ...`, without the traceback through transformers' loading (17 to 20 lines
+    on transformers 4.57); every other exception as before."""
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback):
+        chain = value
+        while chain is not None and chain is not error:
+            chain = chain.__cause__ or chain.__context__
+        if chain is None:
+            return previous(kind, value, traceback)
+        print(f"{type(error).__name__}: {error}", file=sys.stderr)
+    sys.excepthook = hook
 
 
 check_transformers(transformers.__version__)
@@ -84,6 +104,7 @@ class LRKVConfig(PreTrainedConfig):
 
     def __init__(self, model_args=None, eot_id=None, variant=None, code_sha256=None, use_cache=True,
                  **kwargs):
+        sizes = {name: kwargs.pop(name) for name in SIZES if name in kwargs}  # to_dict's, saved back
         self.model_args, self.eot_id, self.variant, self.use_cache = model_args, eot_id, variant, use_cache
         self.code_sha256 = code_sha256  # {file: SHA-256} of the folder's code, as the export wrote it
         if code_sha256 is not None and not (isinstance(code_sha256, dict) and all(
@@ -93,8 +114,18 @@ class LRKVConfig(PreTrainedConfig):
                              "digests")
         if model_args is not None:  # what transformers makes with no arguments is never a model's
             self.gpt_config()  # refused here, at load, in one line
+            for name, value in sizes.items():
+                if value != getattr(self, name):
+                    raise ValueError(f"config.json: {name}={value!r} where model_args make it "
+                                     f"{getattr(self, name)!r}")
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
+
+    def to_dict(self):
+        """transformers' record of the config, and the standard sizes (SIZES) that model_args make, which
+        tools read from it (PEFT's prompt tuning: hidden_size, num_hidden_layers, num_attention_heads)."""
+        record = super().to_dict()
+        return {**record, **{name: getattr(self, name) for name in SIZES}} if self.model_args else record
 
     def gpt_config(self):
         """model.GPTConfig of model_args, or a ValueError naming the field of config.json that cannot be."""
@@ -118,13 +149,16 @@ class LRKVConfig(PreTrainedConfig):
             raise ValueError(f"config.json: eot_id={self.eot_id!r}: must be a token id below vocab_size")
         return config
 
-    # the names transformers and lm-evaluation-harness read; max_position_embeddings: the tokens a
-    # sequence may hold, block_size less the end-of-text it is read after
+    # the names transformers, PEFT and lm-evaluation-harness read (SIZES); max_position_embeddings: the
+    # tokens a sequence may hold, block_size less the end-of-text it is read after
     vocab_size = model_arg("vocab_size", settable=True)  # resize_token_embeddings sets it
     hidden_size = model_arg("n_embd")
     num_hidden_layers = model_arg("n_layer")
     num_attention_heads = model_arg("n_head")
     max_position_embeddings = model_arg("block_size", less=1)
+
+
+SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings")
 
 
 class LRKVTokenizer(PreTrainedTokenizerFast):
@@ -140,12 +174,18 @@ class PaddedRingKVCache(RingKVCache):
     whose readers all have a window W keeps W + pads columns, pads the most any row of the prompt has: a
     row's pads lie between its end-of-text (column 0) and its text, so that its last W positions span W
     columns and its pads. Its buffers grow with the columns held, to that at most: the bytes of the
-    columns held."""
+    columns held. real (B, T): the prompt's tokens, not its pads; None: no pad."""
 
-    def __init__(self, gpt, batch_size, dtype, device, pads):
+    def __init__(self, gpt, batch_size, dtype, device, real=None):
         self.real = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)  # (B, columns): not a pad
-        self.pads = pads
+        self.pads = 0  # until the spans are known (allocate's buffers are empty, whatever the length)
         super().__init__(gpt, batch_size, gpt.config.block_size, dtype, device)
+        if real is not None and self.rings():  # a .item(), a break in a compiled forward: only where needed
+            self.pads = int((~real).sum(-1).max())
+
+    def rings(self):
+        """Whether a layer keeps fewer than max_len columns (all its readers have windows)."""
+        return any(span < self.max_len for span in self.span.values())
 
     def length(self, layer):
         span = super().length(layer)
@@ -156,7 +196,9 @@ class PaddedRingKVCache(RingKVCache):
                 for name, shape in shapes.items()}
 
     def store(self, layer, slots, entries):
-        needed = int(slots.max()) + 1
+        # the slots reach pos + T - 1 (T: the entries' positions), or the ring's last: counted, not read off
+        # slots, so that a compiled forward has no .item()
+        needed = min(self.pos + next(iter(entries.values())).size(1), self.length(layer))
         for name, buf in self.layers[layer].items():
             if buf.size(1) < needed:
                 self.layers[layer][name] = torch.cat((buf, buf.new_zeros(buf.size(0), needed - buf.size(1),
@@ -189,13 +231,13 @@ class LRKVCache(Cache):
         super().__init__(layers=[])
         self.ring = None
 
-    def start(self, gpt, input_ids, real, eot_id):
-        """The ring, its first column end-of-text, real in rows whose first real token is not one."""
-        B, pads = input_ids.size(0), int((~real).sum(-1).max())
-        self.ring = PaddedRingKVCache(gpt, B, gpt.wte.weight.dtype, input_ids.device, pads)
-        first = input_ids.gather(1, real.long().argmax(-1, keepdim=True))  # (B, 1): a row's first real token
-        self.ring.columns(first != eot_id)
-        gpt(torch.full_like(first, eot_id), cache=self.ring)
+    def start(self, gpt, tokens, real, eot_id, padded):
+        """The ring, its first column end-of-text, real in rows read after it (after_eot). padded: whether
+        real may hold a pad (an attention mask was given)."""
+        self.ring = PaddedRingKVCache(gpt, real.size(0), gpt.wte.weight.dtype, real.device,
+                                      real if padded else None)
+        self.ring.columns(after_eot(tokens, real, eot_id))
+        gpt(torch.full_like(real[:, :1], eot_id, dtype=torch.long), cache=self.ring)
 
     def get_seq_length(self, layer_idx=0):
         return 0 if self.ring is None else self.ring.pos - 1
@@ -218,7 +260,7 @@ class LRKVCache(Cache):
     def is_croppable(self):
         """A layer whose readers all have windows keeps only their last W positions: what crop drops
         cannot come back once the ring has gone round."""
-        return self.ring is None or all(span == self.ring.max_len for span in self.ring.span.values())
+        return self.ring is None or not self.ring.rings()
 
     def crop(self, tokens):
         """Drop the newest -tokens positions (tokens < 0), or keep the first `tokens` (> 0, transformers
@@ -297,9 +339,28 @@ class LRKVPreTrainedModel(PreTrainedModel):
         return False  # generate's cache is an LRKVCache (_prepare_cache_for_generation)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        """An empty LRKVCache, which the first forward fills, unless one was given or none is used."""
+        """An empty LRKVCache, which the first forward fills, unless one was given or none is used; a
+        ValueError of one line for a cache_implementation other than this growing one ("dynamic")."""
+        asked = generation_config.cache_implementation
+        if asked not in (None, "dynamic"):
+            raise ValueError(f"this model caches with its own LRKVCache, which grows with the sequence: "
+                             f"cache_implementation={asked!r} cannot be honoured; give none")
         if generation_config.use_cache is not False and model_kwargs.get(CACHE) is None:
             model_kwargs[CACHE] = LRKVCache()
+
+    def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
+        """SDPA, the attention model.py computes (F.scaled_dot_product_attention), where none or "sdpa" is
+        asked; a ValueError of one line for any other attn_implementation, which it cannot honour."""
+        if attn_implementation not in (None, "sdpa"):
+            raise ValueError(f"this model attends through SDPA (model.py's F.scaled_dot_product_attention): "
+                             f"attn_implementation={attn_implementation!r} cannot be honoured; give 'sdpa' "
+                             "or none")
+        return "sdpa"
+
+    def set_attn_implementation(self, attn_implementation, *args, **kwargs):
+        """The one attention there is: "sdpa" keeps it, anything else is the ValueError of
+        _check_and_adjust_attn_implementation."""
+        self._check_and_adjust_attn_implementation(attn_implementation)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
@@ -347,13 +408,19 @@ class LRKVPreTrainedModel(PreTrainedModel):
 
 def check_weights(config, path):
     """A ValueError where config's model_args are not those the safetensors file at path records (the
-    export writes them), naming every field that differs; or, a file recording none, where it holds
+    export writes them), naming every field that differs, or where it records some of the export's records
+    but not all, naming the first it lacks; or, a file recording none, where it holds
     another set of tensors, or of shapes, than the model of model_args, naming the fields that shape the
     first that differs."""
     with safetensors.safe_open(path, "pt") as f:
         metadata = f.metadata() or {}
         theirs = {name.removeprefix("model.gpt_model."): list(f.get_slice(name).get_shape())
                   for name in f.keys()}
+    # the export records all three; transformers' save_pretrained none
+    lacking = [field for field in ("model_args", "model_args_sha256", "code_sha256") if field not in metadata]
+    if 0 < len(lacking) < 3:
+        raise ValueError(f"model.safetensors: its metadata has no {lacking[0]}, which the export records "
+                         "beside the others it has: edited")
     exported, code = recorded(metadata, "model_args"), recorded(metadata, "code_sha256")
     digest = metadata.get("model_args_sha256")
     if digest is not None and sha256(metadata["model_args"].encode()) != digest:
@@ -453,21 +520,22 @@ class LRKVModel(LRKVPreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, cache=None, past_key_values=None, use_cache=None,
                 output_hidden_states=None, return_dict=None, **kwargs):
-        """The final hidden states (B, T, d) of input_ids' T tokens (norm(x), what lm_head reads), and
-        every block's (output_hidden_states), after the cache's positions: read's."""
+        """The final hidden states (B, T, d) of the T tokens (input_ids, or inputs_embeds) (norm(x), what
+        lm_head reads), and every block's (output_hidden_states), after the cache's positions: read's."""
         _, final, hidden, cache = self.read(input_ids, attention_mask, cache, past_key_values, use_cache,
-                                            output_hidden_states, kwargs)
+                                            output_hidden_states, kwargs, final=True)
         return as_returned(LRKVModelOutput(last_hidden_state=final, cache=cache, past_key_values=cache,
                                            hidden_states=hidden), return_dict, self.config)
 
     def read(self, input_ids, attention_mask, cache, past_key_values, use_cache, output_hidden_states,
-             kwargs):
-        """GPT's logits (B, T, vocab), final hidden states (B, T, d), every block's (output_hidden_states,
-        else None) of input_ids' T tokens after the cache's positions, and the cache that holds them too (with
-        use_cache; by default not while the model trains, as transformers' own models). attention_mask (B, S),
-        S the cached tokens and these T, 0 a pad; position_ids, which transformers passes, are recomputed
-        from it. kwargs: what else was passed, refused unless it asks nothing."""
-        refuse_unsupported(input_ids, kwargs)
+             kwargs, final=False):
+        """GPT's logits (B, T, vocab), final hidden states (B, T, d; with final, else None), every block's
+        (output_hidden_states, else None) of T tokens after the cache's positions, and the cache that holds
+        them too (with use_cache; by default not while the model trains, as transformers' own models). The
+        tokens: input_ids (B, T), or kwargs' inputs_embeds (B, T, d), wte's outputs (tokens_of).
+        attention_mask (B, S), S the cached tokens and these T, 0 a pad; position_ids, which transformers
+        passes, are recomputed from it. kwargs: what else was passed, refused unless it asks nothing."""
+        tokens = tokens_of(input_ids, kwargs)
         gpt, config = self.gpt_model, self.config
         cache = cache if cache is not None else past_key_values
         if cache is not None and not isinstance(cache, LRKVCache):
@@ -485,38 +553,44 @@ class LRKVModel(LRKVPreTrainedModel):
             use_cache, cache = False, None
         if output_hidden_states is None:
             output_hidden_states = getattr(config, "output_hidden_states", False)
-        B, T = input_ids.shape
-        past = 0 if cache is None else cache.get_seq_length()
+        B, T = tokens.shape[:2]
+        past, padded = 0 if cache is None else cache.get_seq_length(), attention_mask is not None
         if attention_mask is None:
-            attention_mask = torch.ones(B, past + T, dtype=torch.long, device=input_ids.device)
+            attention_mask = torch.ones(B, past + T, dtype=torch.long, device=tokens.device)
         if tuple(attention_mask.shape) != (B, past + T):
             raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}: it must be (batch, "
                              f"cached + new tokens) = ({B}, {past + T}), 1 for a token and 0 for a pad")
         real, eot = attention_mask.bool(), config.eot_id
         if T > gpt.config.block_size - (past + 1):
-            raise ValueError(f"a sequence holds at most {gpt.config.block_size - 1} tokens (block_size "
-                             f"{gpt.config.block_size}, one of them the end-of-text it is read after), "
-                             f"{past + T} were given")
+            raise too_long(gpt.config.block_size, past + T)
+        hooked = final or output_hidden_states  # what run hooks to give
         if cache is None and not use_cache:  # training's path
-            return (*read_rows_alone(gpt, input_ids, real, eot, output_hidden_states), None)
+            return (*read_rows_alone(gpt, tokens, real, eot, output_hidden_states, hooked), None)
         cache = cache if cache is not None else LRKVCache()
         if cache.ring is None:
-            cache.start(gpt, input_ids, real, eot)
+            cache.start(gpt, tokens, real, eot, padded)
         cache.ring.columns(torch.cat((cache.ring.real[:, :1], real), 1))
-        logits, final, hidden = run(gpt, input_ids, cache.ring, output_hidden_states)
+        logits, final, hidden = run(gpt, tokens, cache.ring, output_hidden_states, hooked)
         return logits, final, hidden or None, cache if use_cache else None
+
+
+def too_long(block_size, given):
+    """The ValueError of one line for a sequence of `given` tokens past the context."""
+    return ValueError(f"a sequence holds at most {block_size - 1} tokens (block_size {block_size}, one of "
+                      f"them the end-of-text it is read after), {given} were given")
 
 
 IGNORED = ("position_ids", "cache_position")  # what generate passes: positions come from the attention mask
 
 
-def refuse_unsupported(input_ids, kwargs):
-    """A ValueError of one line for what this model cannot do: inputs_embeds (it reads token ids, after
-    its end-of-text token's embedding), output_attentions (SDPA keeps no attention weights), or any other
-    argument that asks something (not None, not False)."""
-    if kwargs.get("inputs_embeds") is not None or input_ids is None:
-        raise ValueError("this model takes input_ids, not inputs_embeds: it reads every sequence after its "
-                         "end-of-text token")
+def tokens_of(input_ids, kwargs):
+    """What a forward reads: input_ids (B, T), or inputs_embeds (B, T, d) (kwargs'), the embeddings wte
+    gives, as PEFT's prompt tuning gives them with its virtual tokens'; a ValueError of one line for
+    both or neither, for output_attentions (SDPA keeps no attention weights), or for any other argument
+    that asks something (not None, not False)."""
+    embeds = kwargs.pop("inputs_embeds", None)
+    if (input_ids is None) == (embeds is None):
+        raise ValueError("this model takes input_ids or inputs_embeds, one of the two")
     if kwargs.get("output_attentions"):
         raise ValueError("this model gives no attention weights (output_attentions=True): it attends through "
                          "SDPA, which keeps none")
@@ -524,37 +598,53 @@ def refuse_unsupported(input_ids, kwargs):
              if name not in IGNORED and value is not None and value is not False]
     if asked:
         raise ValueError(f"this model takes no {asked[0]}")
+    return input_ids if embeds is None else embeds
 
 
-def read_rows_alone(gpt, input_ids, real, eot, output_hidden_states):
+def after_eot(tokens, real, eot):
+    """(B, 1): which rows are read after an end-of-text put before them: a row of ids whose first real
+    token (real (B, T): not a pad) is not end-of-text, and every row of embeddings."""
+    if tokens.is_floating_point():
+        return torch.ones_like(real[:, :1])
+    return tokens.gather(1, real.long().argmax(-1, keepdim=True)) != eot  # a row's first real token
+
+
+def take(x, index):
+    """x (B, N, ...) at index (B, M) along its columns: (B, M, ...)."""
+    B, M = index.shape
+    return x.gather(1, index.view(B, M, *[1] * (x.dim() - 2)).expand(B, M, *x.shape[2:]))
+
+
+def read_rows_alone(gpt, tokens, real, eot, output_hidden_states, hooked):
     """GPT's training forward (no cache) of every row's tokens (real, (B, T): not a pad) after an end-of-text,
-    put before a row whose first token is not one: run's outputs in input_ids' columns. A row's pads move
-    after its tokens, where causal attention hides them, so that its positions are its tokens' count; a
-    pad's outputs are those of the last token read before it, a left pad's the end-of-text's: so the column
-    before a left-padded row's first token predicts it, as the end-of-text does."""
-    B, T = input_ids.shape
-    first = input_ids.gather(1, real.long().argmax(-1, keepdim=True))  # (B, 1): a row's first token
-    read = torch.cat((first != eot, real), 1)  # (B, 1 + T): which of [end-of-text, input_ids] a row reads
-    idx = torch.cat((torch.full_like(first, eot), input_ids), 1)  # (B, 1 + T)
-    if bool(real.all()) and bool((read[:, 0] == read[0, 0]).all()):  # no pad, every row alike: a slice
-        skip = int(read[0, 0])
-        logits, final, hidden = run(gpt, idx[:, 1 - skip:], None, output_hidden_states)
-        return logits[:, skip:].contiguous(), final[:, skip:], tuple(h[:, skip:] for h in hidden) or None
-    width = int(read.sum(-1).max())
-    order = torch.sort((~read).long(), dim=1, stable=True).indices[:, :width]  # the columns read, in order
-    logits, final, hidden = run(gpt, idx.gather(1, order), None, output_hidden_states)
+    put before the rows after_eot names: run's outputs in the tokens' columns. A row's columns it does not
+    read (pads, the end-of-text put before a row that starts with one) move after those it reads, where
+    causal attention hides them, so that its positions are its tokens' count; a pad's outputs are those of
+    the last token read before it, a left pad's the end-of-text's: so the column before a left-padded row's
+    first token predicts it, as the end-of-text does. Every shape is the tokens' and one more column, none
+    read off the mask: a compiled forward has no .item()."""
+    B, T = real.shape
+    read = torch.cat((after_eot(tokens, real, eot), real), 1)  # (B, 1 + T): which of [eot, tokens] it reads
+    eots = torch.full_like(real[:, :1], eot, dtype=torch.long)  # (B, 1)
+    x = torch.cat((gpt.wte(eots) if tokens.is_floating_point() else eots, tokens), 1)  # (B, 1 + T[, d])
+    order = torch.sort((~read).long(), dim=1, stable=True).indices  # (B, 1 + T): the columns read, first
+    logits, final, hidden = run(gpt, take(x, order), None, output_hidden_states, hooked)
     place = (read.long().cumsum(-1) - 1).clamp(min=0)[:, 1:]  # (B, T): each column's place in its row read
-
-    def back(x):  # (B, width, ...) -> (B, T, ...), in input_ids' columns
-        return x.gather(1, place.view(B, T, *[1] * (x.dim() - 2)).expand(B, T, *x.shape[2:]))
-    return back(logits), back(final), tuple(back(h) for h in hidden) or None
+    return (take(logits, place), None if final is None else take(final, place),
+            tuple(take(h, place) for h in hidden) or None)
 
 
-def run(gpt, idx, ring, output_hidden_states):
-    """GPT's forward of idx (through the ring, if any): its logits, the final hidden states (lm_head's
-    input) and, if asked, every block's input and the final hidden states."""
-    hidden, final = [], []
-    hooks = [gpt.lm_head.register_forward_pre_hook(lambda m, args: final.append(args[0]))]
+def run(gpt, tokens, ring, output_hidden_states, hooked):
+    """GPT's forward of tokens, ids (B, T) or embeddings (B, T, d) that stand for wte's outputs (through
+    the ring, if any): its logits, and where hooked the final hidden states (lm_head's input; else None)
+    and, if asked, every block's input and the final hidden states. Hooks only where asked: registering one
+    breaks a compiled forward's graph."""
+    hidden, final, hooks, idx = [], [], [], tokens
+    if tokens.is_floating_point():
+        idx = torch.zeros(tokens.shape[:2], dtype=torch.long, device=tokens.device)
+        hooks.append(gpt.wte.register_forward_hook(lambda m, args, out: tokens.to(out.dtype)))
+    if hooked:
+        hooks.append(gpt.lm_head.register_forward_pre_hook(lambda m, args: final.append(args[0])))
     if output_hidden_states:
         hooks += [block.register_forward_pre_hook(lambda m, args: hidden.append(args[0]))
                   for block in gpt.blocks]
@@ -563,7 +653,8 @@ def run(gpt, idx, ring, output_hidden_states):
     finally:
         for hook in hooks:
             hook.remove()
-    return logits, final[0], tuple(hidden[:len(gpt.blocks)]) + tuple(final) if output_hidden_states else ()
+    hidden = tuple(hidden[:len(gpt.blocks)]) + tuple(final) if output_hidden_states else ()
+    return logits, final[0] if final else None, hidden
 
 
 class LRKVForCausalLM(LRKVPreTrainedModel, GenerationMixin):
@@ -585,6 +676,26 @@ class LRKVForCausalLM(LRKVPreTrainedModel, GenerationMixin):
 
     def get_output_embeddings(self):
         return self.model.gpt_model.lm_head
+
+    def _prepare_generated_length(self, generation_config, **kwargs):
+        """transformers' max_length, cut to the context with one warning line: the max_position_embeddings
+        tokens a sequence holds (a prompt's pads and an inputs_embeds prompt counted) and the one they
+        predict. generate stops there keeping every token it made, as at any max_length; model.generate and
+        sample.py slide past it instead, restarting the cache from the last tokens, which generate's one
+        cache a call cannot. A prompt longer than the context is refused, before any work, in the forward's
+        line (too_long)."""
+        generation_config = super()._prepare_generated_length(generation_config, **kwargs)
+        embedded = kwargs["inputs_tensor"].shape[1] - kwargs["input_ids_length"] \
+            if kwargs["model_input_name"] == "inputs_embeds" else 0  # prompt columns not in input_ids
+        context = self.config.max_position_embeddings + 1
+        if kwargs["input_ids_length"] + embedded >= context:
+            raise too_long(context, kwargs["input_ids_length"] + embedded)
+        if generation_config.max_length + embedded > context:
+            logger.warning(f"generate stops at the model's context: {context} tokens, the prompt's included "
+                           f"(its {context - 1} and the one they predict), not the "
+                           f"{generation_config.max_length + embedded} asked")
+            generation_config.max_length = context - embedded
+        return generation_config
 
     def forward(self, input_ids=None, attention_mask=None, cache=None, past_key_values=None, labels=None,
                 use_cache=None, output_hidden_states=None, return_dict=None, num_items_in_batch=None,

@@ -661,8 +661,9 @@ def test_trainer_gives_our_loss_and_gradients(build, attn, checkpointing, tmp_pa
 @torch.no_grad()
 def test_resize_token_embeddings_and_what_the_model_refuses(build, tmp_path):
     """resize_token_embeddings: the vocabulary grows, the old tokens' logits unchanged; config.json's
-    model_args follow, and the folder saved and loaded again gives the same logits. inputs_embeds,
-    output_attentions and any other argument that asks something: one line each."""
+    model_args follow, and the folder saved and loaded again gives the same logits (its config.json now
+    holding the standard sizes too, to_dict's). Both input_ids and inputs_embeds, output_attentions and any
+    other argument that asks something: one line each."""
     lrkv = build("lrkv", 1)
     hf = AutoModelForCausalLM.from_pretrained(lrkv.out, trust_remote_code=True).eval()
     ids = ids_of(lrkv, PROMPTS[0])
@@ -675,7 +676,9 @@ def test_resize_token_embeddings_and_what_the_model_refuses(build, tmp_path):
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "resized", trust_remote_code=True)
     torch.testing.assert_close(again(ids).logits, after, atol=0, rtol=0)
     embeds = hf.get_input_embeddings()(ids)
-    for kwargs, message in [(dict(inputs_embeds=embeds), r"takes input_ids, not inputs_embeds"),
+    assert json.loads((tmp_path / "resized" / "config.json").read_text())["vocab_size"] == BYTES + 44
+    for kwargs, message in [(dict(input_ids=ids, inputs_embeds=embeds), r"takes input_ids or inputs_embeds, "
+                                                                          r"one of the two$"),
                             (dict(input_ids=ids, output_attentions=True), r"gives no attention weights"),
                             (dict(input_ids=ids, head_mask=torch.ones(4)), r"takes no head_mask$")]:
         for model in (hf, hf.model):
@@ -704,6 +707,224 @@ def test_a_sequence_past_the_context_is_one_line(build):
         with pytest.raises(ValueError, match=r"^a sequence holds at most 63 tokens \(block_size 64, one of "
                                              r"them the end-of-text it is read after\), 64 were given$"):
             lrkv.hf(too_long, use_cache=use_cache)
+
+
+@torch.no_grad()
+def test_generate_past_the_context_stops_there_keeping_its_tokens(build, caplog):
+    """generate asked for more tokens than the context holds stops at it, with one warning line: 64 tokens
+    (the prompt's 24 and 40 new), the last predicted from the 63 a sequence holds, our greedy tokens, a
+    left-padded batch likewise (its pads counted); a prompt of 64 tokens is refused in one line."""
+    lrkv = build("lrkv", 1)
+    ids = ids_of(lrkv, PROMPTS[0])
+    caplog.clear()
+    greedy = lrkv.hf.generate(ids, max_new_tokens=200, do_sample=False)
+    context = TINY["block_size"]
+    assert greedy.shape == (1, context)
+    ours = our_greedy(lrkv, PROMPTS[0], context - ids.size(1), temperature=0)
+    assert torch.equal(greedy[:, ids.size(1):], ours)
+    [warning] = [r.getMessage() for r in caplog.records if "context" in r.getMessage()]
+    assert warning == (f"generate stops at the model's context: {context} tokens, the prompt's included (its "
+                       f"{context - 1} and the one they predict), not the {ids.size(1) + 200} asked")
+    batch = lrkv.tok(PROMPTS, padding=True, return_tensors="pt")
+    assert lrkv.hf.generate(**batch, max_new_tokens=200, do_sample=False).shape == (2, context)
+    with pytest.raises(ValueError, match=r"^a sequence holds at most 63 tokens .*, 64 were given$"):
+        lrkv.hf.generate(torch.ones(1, context, dtype=torch.long), max_new_tokens=5)
+
+
+@torch.no_grad()
+def test_inputs_embeds_read_as_their_ids(build):
+    """inputs_embeds, wte's embeddings of ids, read after the end-of-text's embedding: the logits of the ids,
+    through the cache (eval) and without (training's path), on a left-padded batch; generate from them
+    gives the ids' greedy tokens."""
+    lrkv = build("lrkv", 2)
+    hf, batch = lrkv.hf, lrkv.tok(PROMPTS, padding=True, return_tensors="pt")
+    embeds = hf.get_input_embeddings()(batch["input_ids"])
+    for training in (False, True):
+        hf.train(training)
+        theirs = hf(inputs_embeds=embeds, attention_mask=batch["attention_mask"]).logits
+        torch.testing.assert_close(theirs, hf(**batch).logits, atol=1e-6, rtol=0)
+    hf.eval()
+    ids = ids_of(lrkv, PROMPTS[0])
+    greedy = hf.generate(ids, max_new_tokens=10, do_sample=False)[:, ids.size(1):]
+    embeds = hf.get_input_embeddings()(ids)
+    from_embeds = hf.generate(inputs_embeds=embeds, max_new_tokens=10, do_sample=False)
+    assert torch.equal(from_embeds, greedy)
+
+
+def test_config_gives_the_standard_sizes(build, tmp_path):
+    """config.to_dict() has the sizes tools read (PEFT's prompt tuning, memory estimators), model_args' own;
+    a config.json whose size disagrees with its model_args is refused in one line naming it."""
+    lrkv = build("lrkv", 1)
+    c, record = lrkv.model.config, lrkv.hf.config.to_dict()
+    assert {name: record[name] for name in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                            "vocab_size", "max_position_embeddings")} == \
+        dict(hidden_size=c.n_embd, num_hidden_layers=c.n_layer, num_attention_heads=c.n_head,
+             vocab_size=c.vocab_size, max_position_embeddings=c.block_size - 1)
+    refused(edited(lrkv.out, tmp_path, lambda config: config.update(hidden_size=64)),
+            "config.json: hidden_size=64 where model_args make it 32")
+
+
+def test_prompt_tuning_trains_3_steps(build):
+    """PEFT's prompt tuning (PromptTuningConfig, 4 virtual tokens), which reads config.to_dict()'s sizes and
+    gives the model inputs_embeds: the loss and the virtual tokens' gradient are our GPT's on the end-of-text,
+    the virtual tokens' embeddings and the text's (1e-5, labels -100 on the virtual tokens); 3 steps of Adam
+    lower the loss, moving the virtual tokens alone."""
+    peft = pytest.importorskip("peft", reason="pip install -r requirements-hf.txt")
+    lrkv = build("lrkv", 1)
+    hf = AutoModelForCausalLM.from_pretrained(lrkv.out, trust_remote_code=True)
+    tuned = peft.get_peft_model(hf, peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    frozen = {name: p.clone() for name, p in hf.named_parameters()}
+    [prompt] = [p for p in tuned.parameters() if p.requires_grad]  # (4, d): the virtual tokens' embeddings
+    ids = ids_of(lrkv, PROMPTS[0])
+    optimizer, losses = torch.optim.Adam([prompt], lr=1e-2), []
+    tuned.train()
+    for step in range(3):
+        optimizer.zero_grad()
+        loss = tuned(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if step == 0:
+            ours, grad = our_prompt_tuned_loss(lrkv.model, prompt.detach(), ids)
+            torch.testing.assert_close(loss.detach(), ours, atol=1e-5, rtol=0)
+            torch.testing.assert_close(prompt.grad, grad, atol=1e-5, rtol=0)
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[2] < losses[1] < losses[0]
+    assert all(torch.equal(p, frozen[name]) for name, p in hf.named_parameters() if "prompt" not in name)
+
+
+def our_prompt_tuned_loss(model, prompt, ids):
+    """Our GPT's loss of ids (1, T) after the end-of-text and the virtual tokens' embeddings prompt (P, d)
+    (wte's output replaced by them: the same forward), each of ids' tokens predicted, and prompt's
+    gradient."""
+    ours = copy.deepcopy(model).train()
+    prompt = prompt.clone().requires_grad_()
+    P, T = prompt.size(0), ids.size(1)
+    eot = torch.full_like(ids[:, :1], EOT)
+    embeds = torch.cat((ours.wte(eot), prompt[None], ours.wte(ids)), 1)  # (1, 1 + P + T, d)
+    hook = ours.wte.register_forward_hook(lambda module, args, out: embeds)
+    try:
+        targets = torch.cat((torch.full((1, P), -1), ids, torch.full((1, 1), -1)), 1)
+        loss = ours(torch.zeros(1, 1 + P + T, dtype=torch.long), targets)[1]
+    finally:
+        hook.remove()
+    loss.backward()
+    return loss.detach(), prompt.grad
+
+
+def test_one_graph_under_torch_compile(build):
+    """torch._dynamo.explain of an LRKV export's forward: one graph, no break, for a left-padded prompt
+    through the cache, a decoding step after it, and a training forward with labels."""
+    lrkv = build("lrkv", 1)
+    hf, batch = lrkv.hf, lrkv.tok(PROMPTS, padding=True, return_tensors="pt")
+    mask = torch.cat((batch["attention_mask"], torch.ones_like(batch["attention_mask"][:, :1])), 1)
+    try:
+        with torch.no_grad():
+            cache = cache_of(hf(**batch, use_cache=True))
+        for training, kwargs in [(False, batch), (False, dict(input_ids=batch["input_ids"][:, -1:],
+                                                              attention_mask=mask, past_key_values=cache)),
+                                 (True, dict(**batch, labels=batch["input_ids"]))]:
+            hf.train(training)
+            torch._dynamo.reset()
+            explained = torch._dynamo.explain(hf)(**kwargs)
+            assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    finally:
+        hf.eval()
+        torch._dynamo.reset()
+
+
+def test_attention_and_cache_implementations_it_cannot_honour_are_one_line(build):
+    """The model attends through SDPA and caches with its LRKVCache: attn_implementation="eager" (at load
+    and set later) and cache_implementation="static" are refused in one line each; "sdpa" and "dynamic"
+    are what it does."""
+    lrkv = build("lrkv", 1)
+    for load in (lambda: AutoModelForCausalLM.from_pretrained(lrkv.out, trust_remote_code=True,
+                                                              attn_implementation="eager"),
+                 lambda: lrkv.hf.set_attn_implementation("flash_attention_2")):
+        with pytest.raises(ValueError, match=r"^this model attends through SDPA \(model\.py's F\."
+                                             r"scaled_dot_product_attention\): attn_implementation='") as e:
+            load()
+        assert "\n" not in str(e.value)
+    lrkv.hf.set_attn_implementation("sdpa")
+    ids = ids_of(lrkv, PROMPTS[0])
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"^this model caches with its own LRKVCache, which grows with "
+                                             r"the sequence: cache_implementation='static' cannot be "
+                                             r"honoured"):
+            lrkv.hf.generate(ids, max_new_tokens=3, cache_implementation="static")
+        dynamic = lrkv.hf.generate(ids, max_new_tokens=3, do_sample=False, cache_implementation="dynamic")
+        assert torch.equal(dynamic, lrkv.hf.generate(ids, max_new_tokens=3, do_sample=False))
+
+
+def test_native_trains_every_embedding_row(build):
+    """A native folder's embedding has no padding_idx (config.json's pad_token_id null; generate pads with
+    end-of-text, generation_config.json's): every row's gradient is our GPT's on the same ids, end-of-text's
+    (id 0, before every text) too, and so is lm_head's."""
+    mha = build("mha", 1)
+    assert mha.native and json.loads((mha.out / "config.json").read_text())["pad_token_id"] is None
+    hf = AutoModelForCausalLM.from_pretrained(mha.out).train()
+    ids = mha.tok([PROMPTS[0][:12], PROMPTS[0][5:17]], return_tensors="pt")["input_ids"]  # end-of-text first
+    hf(ids, labels=ids).loss.backward()
+    ours = copy.deepcopy(mha.model).train()
+    ours(ids[:, :-1], ids[:, 1:])[1].backward()
+    theirs = hf.model.embed_tokens.weight.grad
+    assert theirs[EOT].norm() > 0
+    torch.testing.assert_close(theirs, ours.wte.weight.grad, atol=1e-7, rtol=0)
+    torch.testing.assert_close(hf.lm_head.weight.grad, ours.lm_head.weight.grad, atol=1e-7, rtol=0)
+
+
+def test_the_cards_snippet_prints_text(build, capsys):
+    """The card's snippet, run as it stands on a native folder: the text it prints has no <|endoftext|> (the
+    token its tokenizer puts first), the prompt and what follows it."""
+    mha = build("mha", 1)
+    card = (mha.out / "README.md").read_text()
+    snippet = re.search(r"```python\n(.*?)```", card, re.S).group(1)
+    capsys.readouterr()
+    with torch.no_grad():
+        exec(snippet, {})
+    printed = capsys.readouterr().out
+    assert printed.startswith("def parse(text):") and len(printed) > len("def parse(text):\n")
+    assert export_hf.EOT not in printed
+
+
+@pytest.mark.parametrize("attn, remote_code", [("lrkv", False), ("mha", False), ("mha", True)],
+                         ids=["lrkv", "mha-native", "mha-remote"])
+def test_peft_lora_by_the_cards_names(build, attn, remote_code):
+    """The card's names for PEFT: target_modules="all-linear" adapts exactly its linear layers (NanoChat's
+    q_proj ... fc2 natively, the repository's W_q ... W_out in remote code), and LoRA on those names puts
+    every one in the forward (its lora_B has a gradient). LRKV's B_k and B_v, bare parameters, train whole
+    beside the adapters, as the card says: PEFT 0.22's target_parameters stops at its own error on any
+    module holding a W_q (HQQ's name for a quantised weight), which the test checks, to know when it no
+    longer does."""
+    peft = pytest.importorskip("peft", reason="pip install -r requirements-hf.txt")
+    exported = build(attn, 1, remote_code=remote_code)
+    card = (exported.out / "README.md").read_text()
+    line = re.search(r"- Fine-tuning with PEFT: `target_modules` names (.*?) \(each block's", card).group(1)
+    names = re.findall(r"`(\w+)`", line)
+    assert names[:2] == (["q_proj", "k_proj"] if exported.native else ["W_q", "W_o"])
+
+    def load():
+        return AutoModelForCausalLM.from_pretrained(exported.out, trust_remote_code=not exported.native)
+
+    every = peft.get_peft_model(load(), peft.LoraConfig(target_modules="all-linear"))
+    adapted = {name.split(".")[-1] for name, m in every.named_modules() if hasattr(m, "lora_A")}
+    assert adapted == set(names)
+    lora = peft.get_peft_model(load(), peft.LoraConfig(target_modules=names))
+    bare = [p for name, p in lora.named_parameters() if name.endswith((".B_k", ".B_v"))]
+    assert ("`B_k`, `B_v`, bare parameters" in card) == (attn == "lrkv" and not exported.native) == bool(bare)
+    for p in bare:  # the card's way: trained whole
+        p.requires_grad_()
+    ids = ids_of(exported, PROMPTS[0])
+    lora(input_ids=ids, labels=ids).loss.backward()
+    grads = {}
+    for name, p in lora.named_parameters():
+        if "lora_B" in name:
+            grads[name.split(".lora_B")[0].split(".")[-1]] = p.grad.norm()
+    assert set(grads) == set(names) and all(g > 0 for g in grads.values()), grads
+    assert all(p.grad.norm() > 0 for p in bare)
+    if bare:
+        with pytest.raises(AttributeError, match="'Linear' object has no attribute 'device'"):
+            config = peft.LoraConfig(target_modules=names, target_parameters=["B_k", "B_v"])
+            peft.get_peft_model(load(), config)
 
 
 def test_a_variant_defined_only_in_a_test_exports(data_dir, tmp_path, monkeypatch):
@@ -966,6 +1187,22 @@ def test_weights_whose_model_args_record_is_not_json_are_refused_naming_file_and
                         r"^model\.safetensors: its metadata code_sha256 is not the JSON object")
 
 
+def test_weights_lacking_one_of_the_exports_records_are_refused_naming_file_and_field(build, tmp_path):
+    """model.safetensors' metadata with model_args removed (model_args_sha256 and code_sha256 kept), or
+    another of the three: one line naming the file and the field, not a KeyError."""
+    lrkv = build("lrkv", 2)
+    for field in ("model_args", "model_args_sha256", "code_sha256"):
+        copy = tmp_path / field
+        shutil.copytree(lrkv.out, copy)
+        with safetensors.safe_open(copy / "model.safetensors", "pt") as f:
+            metadata = f.metadata()
+        weights = safetensors.torch.load_file(copy / "model.safetensors")
+        del metadata[field]
+        safetensors.torch.save_file(weights, copy / "model.safetensors", metadata=metadata)
+        refused_in_one_line(copy, rf"^model\.safetensors: its metadata has no {field}, which the export "
+                                  r"records beside the others it has: edited$")
+
+
 def test_the_folder_runs_the_code_the_export_wrote_or_names_the_file(build, tmp_path):
     """An edited copy of a code file (model.py's MLP scaling its output by 1.5) is refused, naming the file;
     so are config.json and the weights' metadata edited together (another rope_theta in both), and
@@ -1003,17 +1240,31 @@ def test_a_bad_end_of_text_or_variant_is_refused(build, tmp_path):
     refused(edited(lrkv.out, tmp_path, lambda c: c.update(model_args=[1, 2])), "model_args=[1, 2]")
 
 
-def test_too_old_a_transformers_is_one_line(build):
+def test_too_old_a_transformers_is_one_line(build, monkeypatch, capsys):
     """The folder's code says which transformers it needs, in one line, where an older one imports it
     (its import calls check_transformers with transformers' version), for the model and for the tokenizer,
-    whose class it holds; the version is requirements-hf.txt's lowest."""
+    whose class it holds; the version is requirements-hf.txt's lowest. A script that does not catch it ends
+    with that one line on stderr, no traceback (Python's hook, sys.excepthook, as the error it raised, or
+    one it caused, reaches it), and any other exception as before."""
     lrkv = build("lrkv", 2)
     module = sys.modules[type(lrkv.hf).__module__]
     low = re.search(r"transformers>=([0-9.]+)", export_hf.transformers_requirement()).group(1)
     assert ".".join(map(str, module.MIN_TRANSFORMERS)) == low
     message = rf"^this model needs transformers >= {re.escape(low)}, not 4\.57\.3: "
-    with pytest.raises(ImportError, match=message):
+    before = []
+    monkeypatch.setattr(sys, "excepthook", lambda *args: before.append(args[1]))
+    with pytest.raises(ImportError, match=message) as error:
         module.check_transformers("4.57.3")
+    try:  # as transformers' loading might wrap it
+        raise RuntimeError("loading failed") from error.value
+    except RuntimeError as wrapped:
+        for raised in (error.value, wrapped):
+            capsys.readouterr()
+            sys.excepthook(type(raised), raised, raised.__traceback__)
+            assert capsys.readouterr().err == f"ImportError: {error.value}\n"
+    other = ValueError("another")
+    sys.excepthook(ValueError, other, None)
+    assert before == [other]
     module.check_transformers(transformers.__version__)
     # the tokenizer's class is the same file's (tokenizer_config.json's auto_map), so that too stops there
     assert type(lrkv.tok).__module__ == type(lrkv.hf).__module__
@@ -1063,14 +1314,23 @@ def test_a_full_disk_while_the_tokenizer_writes_is_one_line(build, tmp_path, mon
     assert list(tmp_path.iterdir()) == []
 
 
-def test_ctrl_c_during_an_export_is_one_line_and_leaves_nothing(build, tmp_path, monkeypatch, capsys):
-    """Ctrl-C while the folder is written (here as the card is): one line, exit code 130, nothing left."""
-    def interrupted(*args):
+@pytest.mark.parametrize("when", ["card", "mkdir"])
+def test_ctrl_c_during_an_export_is_one_line_and_leaves_nothing(build, tmp_path, monkeypatch, capsys, when):
+    """Ctrl-C while the folder is written (here as the card is), or just as the temporary folder (and the
+    folder above OUT_DIR it needs) has been made, before anything is written into it: one line, exit code
+    130, nothing left, no .OUT_DIR.* folder nor the folder above."""
+    real = os.mkdir
+
+    def interrupted(path=None, *args, **kwargs):
+        if when == "mkdir":
+            real(path, *args, **kwargs)
+            if not Path(path).name.startswith(".out."):
+                return
         raise KeyboardInterrupt
 
     ckpt = build("lrkv", 1).ckpt
     capsys.readouterr()
-    monkeypatch.setattr(export_hf, "card", interrupted)
+    monkeypatch.setattr(*(export_hf, "card") if when == "card" else (os, "mkdir"), interrupted)
     assert export_hf.main([str(ckpt), str(tmp_path / "new" / "out")]) == 130
     assert one_line_error(capsys) == "export_hf.py: interrupted; nothing was written\n"
     assert list(tmp_path.iterdir()) == []
