@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from lib.attention.decode import ExactKVCache, FixedKVCache, exact_step, generate
+from lib.attention.paged import paged_cache_class
+from lib.attention.quant import CACHES, Int4KVCache
 from lib.attention.ring import RingKVCache, gather
 from model import VARIANTS, GPTConfig
 from references import TINY, cropped_greedy, naive_forward, tiny_model, token_by_token
@@ -150,3 +152,40 @@ def test_gather_reads_the_slots_that_indexing_reads(batch):
     for slots in (slice(2, 7), slice(None), torch.tensor([4, 0, 9, 4]), torch.arange(10)):
         for b in (buffer, permuted):
             assert torch.equal(gather(b, slots), buffer[:, slots])
+
+
+class Int4Groups4(Int4KVCache):
+    group = 4  # key groups that a window of 8 holds whole
+
+
+# (storage, window): every storage of quant.CACHES with a window shorter than the prompt; int4's own
+# groups of 64 with a window of 64 (a narrower ring's groups are its W slots, the paged cache's blocks 64
+# positions: not one storage), and in groups of 4 with a window of 8
+ONE_MEANING = [("none", 8), ("int8", 8), ("int4", 64), ("int4 in groups of 4", 8)]
+
+
+@pytest.mark.parametrize("storage, window", ONE_MEANING, ids=[s for s, _ in ONE_MEANING])
+def test_a_storage_means_one_thing_to_the_ring_and_the_paged_cache(storage, window):
+    """A prompt longer than the window, prefilled at once, then tokens one at a time: the logits of
+    sample.py --prompt's path (the ring cache, its exact steps) and of the engine's (the paged cache) are
+    the same to round-off for every variant, the prefill's included: the ring's chunk, which waits beside
+    the ring, reads as the storage gives it back, and the ring takes a chunk's positions in order."""
+    cache_class = Int4Groups4 if storage == "int4 in groups of 4" else CACHES[storage]
+    P, N = window + 16, 3
+    g = torch.Generator().manual_seed(0)
+    prompt, more = (torch.randint(0, TINY.vocab_size, (1, n), generator=g) for n in (P, N))
+    for attn in VARIANTS:
+        model = tiny_model(attn, n_layer=2, block_size=P + N + 1, window=window, window_pattern="SL")
+        with torch.no_grad():
+            ring = model.new_cache(1, P + N + 1, torch.float32, cache_class=cache_class)
+            ours = [model(prompt, cache=ring)[0][0, -1]]
+            for t in range(N):
+                logits, ring = exact_step(model, more[:, t:t + 1], ring)
+                ours.append(logits[0])
+            paged = paged_cache_class(cache_class)(model, 10**7, torch.float32, block_size=4)
+            theirs = []
+            for tokens in (prompt, *more.split(1, dim=1)):
+                paged.grow(0, tokens.size(1))
+                paged.select([0])
+                theirs.append(model(tokens, cache=paged)[0][0, -1])
+        torch.testing.assert_close(torch.stack(ours), torch.stack(theirs), atol=1e-5, rtol=1e-5, msg=attn)

@@ -13,7 +13,8 @@ positions, as a ring. The ring's rule, an invariant that every write keeps:
 So slot p % length is where position p goes, and a query at position i that sees its last W <= length
 positions finds all of them in the ring. One case breaks it: a chunk of T > 1 new tokens (a prefill)
 would overwrite positions that its own first queries still see. Such a chunk waits in `pending`, read
-beside the ring, until advance stores it (its last `length` positions, into their slots).
+beside the ring as the storage gives it back (as_stored: what a layer without a window reads of it), until
+advance stores it (its last `length` positions, into their slots, in the order of their positions).
 A storage of another kind (quant.py) overrides allocate, store and load, as it would model.py's cache.
 
 Slots count columns, which every row shares; a row's position at a column is its own (row_positions,
@@ -85,7 +86,7 @@ class RingKVCache(KVCache):
         self.sources = {layer: model.blocks[layer].attn for layer in set(self.kv_source)}
         self.span = {owner: max(min(self.windows[reader] or max_len, max_len) for reader in range(n)
                                 if self.kv_source[reader] == owner) for owner in self.sources}
-        self.pending = {}  # owner: a chunk's entries waiting to be stored (write)
+        self.pending = {}  # owner: a chunk's entries waiting to be stored, and as they read (write)
         self.starts = None  # (B,): each row's first column, left-padded rows; set before the first forward
         super().__init__(model, batch_size, max_len, dtype, device)
 
@@ -109,23 +110,45 @@ class RingKVCache(KVCache):
             return
         entries = attn.cache_entries(x, rope)
         if x.size(1) > 1 and self.pos + x.size(1) > self.length(layer):
-            self.pending[layer] = entries
-            self.dtypes.setdefault(layer, {name: x.dtype for name, x in entries.items()})  # as store notes
+            self.pending[layer] = entries, self.as_stored(layer, entries)
         else:
             self.store_positions(layer, entries)
 
+    def as_stored(self, layer, entries):
+        """entries {name: (B, T, *shape)} of positions pos.. as the storage gives them back from a layer of
+        max_len slots, slot p holding position p (a layer without a window's), so that a chunk's own queries
+        read it as the paged cache's do (a quantised storage: quantised), the layer's slots left as they
+        are. Through buffers of their own, the layer's put back after."""
+        held, span, T = self.layers[layer], self.span[layer], next(iter(entries.values())).size(1)
+        shapes = {name: x.shape[2:] for name, x in entries.items()}
+        self.layers[layer] = self.allocate(shapes, self.max_len, self.rope.device)
+        self.span[layer] = self.max_len
+        try:
+            slots = torch.arange(self.pos, self.pos + T)
+            self.store(layer, slots, entries)
+            return self.load(layer, slots)
+        finally:
+            self.layers[layer], self.span[layer] = held, span
+
     def store_positions(self, layer, entries):
-        """Store entries of positions pos, pos + 1, ... each in its slot p % length, the last `length`."""
+        """Store entries of positions pos, pos + 1, ... each in its slot p % length: the last `length`, from
+        the ring's start (slot 0) at or before the first of them, one turn of the ring at a time, so that
+        the slots take their positions in order, as decoding token by token gives them (a storage that
+        quantises groups of slots, quant.Int4KVCache, quantises each from the positions it holds)."""
         T, length = next(iter(entries.values())).size(1), self.length(layer)
-        slots = torch.arange(self.pos, self.pos + T)[-length:] % length
-        self.store(layer, slots, {name: x[:, -length:] for name, x in entries.items()})
+        first, end = max(self.pos, (self.pos + T - length) // length * length), self.pos + T
+        while first < end:
+            stop = min(end, (first // length + 1) * length)  # this turn's end
+            self.store(layer, torch.arange(first, stop) % length,
+                       {name: x[:, first - self.pos:stop - self.pos] for name, x in entries.items()})
+            first = stop
 
     def held(self, attn, T, codes=False):
         """The entries attn's T new queries at columns pos..pos+T-1 read, {name: (B, S, *shape)} (their
         owner's slots written, then any pending chunk), their owner, and the column each holds (S,).
         codes: as load_codes hands them."""
         owner = self.kv_source[attn.layer]
-        pending = self.pending.get(owner)
+        pending = self.pending[owner][1] if owner in self.pending else None
         ahead = 0 if pending is not None else T  # the queries' own positions, already in the slots
         held = min(self.pos + ahead, self.length(owner))
         entries = (self.load_codes if codes else self.load)(owner, slice(0, held))
@@ -163,7 +186,7 @@ class RingKVCache(KVCache):
         return self.load(layer, slots)
 
     def advance(self, T):
-        for layer, entries in self.pending.items():
+        for layer, (entries, _) in self.pending.items():
             self.store_positions(layer, entries)
         self.pending = {}
         super().advance(T)
