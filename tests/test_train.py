@@ -559,14 +559,32 @@ def test_a_bad_init_from_is_one_line_and_writes_nothing(problem, message, data_d
 
 
 def test_resume_reads_a_checkpoint_written_before_init_from_existed(data_dir, tmp_path):
-    """A checkpoint whose config lacks a later flag resumes as if that flag had its default; one
-    from before digests (which this edit would not match) has none."""
+    """A checkpoint whose config lacks a later flag resumes as its run did before the flag (checkpoint.BEFORE:
+    no --init_from); one from before digests (which this edit would not match) has none."""
     assert train.main(flags(data_dir=data_dir, out_dir=tmp_path, stop_after=STOP)) == 0
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     del ckpt["config"]["init_from"], ckpt["digest"]
     torch.save(ckpt, tmp_path / "ckpt.pt")
     assert train.main(flags(data_dir=data_dir, out_dir=tmp_path) + ["--resume"]) == 0
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == STEPS
+
+
+def test_resume_refuses_a_checkpoint_lacking_a_flag_of_unknown_earlier_meaning(data_dir, tmp_path, capsys):
+    """A checkpoint from before a flag existed (here one whose config lacks seed, or a model field) is not
+    resumed as if it had the flag's default of today, which may mean something else than what that run
+    did: one line names the field; a flag recorded in checkpoint.BEFORE resumes as that (init_from, above)."""
+    assert train.main(flags(data_dir=data_dir, out_dir=tmp_path, stop_after=STOP)) == 0
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    del saved["digest"]
+    for section, name, flag, says in (("config", "seed", [], "has no 'seed', a flag added since it was"),
+                                      ("model_args", "window", ["--window=8"], "trained with window=None")):
+        ckpt = {**saved, section: {k: v for k, v in saved[section].items() if k != name}}
+        torch.save(ckpt, tmp_path / "ckpt.pt")
+        capsys.readouterr()
+        assert train.main(flags(data_dir=data_dir, out_dir=tmp_path) + flag + ["--resume"]) == 2, name
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err, err
+        assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == STOP  # nothing written
 
 
 # ---------------------------------------------------------------------------------------------

@@ -413,17 +413,30 @@ JOB_FLAGS = ("data_dir", "out_dir", "resume", "overwrite", "stop_after", "device
              "calibration_tokens", "eval_tasks", "eval_tasks_limit")
 
 
+# What a run did in place of each flag added to TrainConfig after checkpoints began to hold their config,
+# so that a checkpoint from before the flag, which lacks it, resumes as the run it was: not the flag's
+# default, which may mean something else (a new schedule's). A flag added to TrainConfig goes here with
+# the behaviour it replaces, or such a checkpoint is refused, naming it.
+BEFORE = dict(init_from="", distill=0.0)
+
+
 def load_resume_checkpoint(cfg, model_config):
     """load_checkpoint(out_dir/ckpt.pt), checked to hold the model the flags describe, trained with
-    the flags given, but JOB_FLAGS."""
+    the flags given, but JOB_FLAGS; a field it lacks is BEFORE's (a model's: GPTConfig's default, which
+    load_checkpoint builds it with), and one not there refused."""
     path = Path(cfg.out_dir) / "ckpt.pt"
     if not path.exists():
         raise ConfigError(f"--resume: there is no {path} to resume from")
     ckpt, model = load_checkpoint(path, needs=RESUMED)
-    # a checkpoint from before a flag existed ran with its default
-    run_flags = [f for f in dataclasses.fields(cfg) if f.name not in JOB_FLAGS]
-    saved = {**ckpt["model_args"], **{f.name: ckpt["config"].get(f.name, f.default) for f in run_flags}}
-    wanted = {**dataclasses.asdict(model_config), **{f.name: getattr(cfg, f.name) for f in run_flags}}
+    run_flags = [f.name for f in dataclasses.fields(cfg) if f.name not in JOB_FLAGS]
+    unknown = [name for name in run_flags if name not in ckpt["config"] and name not in BEFORE]
+    if unknown:
+        raise ConfigError(f"--resume: {path} has no {unknown[0]!r}, a flag added since it was written, and "
+                          "what its run did in its place is not recorded (checkpoint.BEFORE): it cannot be "
+                          "resumed as the run it was")
+    saved = {**dataclasses.asdict(GPTConfig()), **ckpt["model_args"],
+             **{name: ckpt["config"].get(name, BEFORE.get(name)) for name in run_flags}}
+    wanted = {**dataclasses.asdict(model_config), **{name: getattr(cfg, name) for name in run_flags}}
     changed = ", ".join(f"{k}={saved[k]!r} (flags: {wanted.get(k)!r})" for k in saved
                         if saved[k] != wanted.get(k))
     if changed:
