@@ -333,6 +333,20 @@ def test_rerun_killed_at_the_token_limit_adds_nothing(tmp_path, monkeypatch):
     pd.main(args + [f"--out_dir={out}"])
     assert contents(out) == contents(tmp_path / "whole")
 
+def test_pysource_rerun_resumes_after_interruption(tmp_path, monkeypatch):
+    """The files' order, by their hashes, is the same on the rerun, so it resumes where the kill struck."""
+    texts = [f"x{i} = {text!r}\n" for i, text in enumerate(make_texts(60, seed=5))]
+    write_python_files(tmp_path / "in", texts, [f"p{i % 5}/m{i}.py" for i in range(60)])
+    args = ["--dataset=pysource", "--tokenizer=byte", f"--input={tmp_path / 'in'}", "--shard_tokens=3000"]
+    pd.main(args + [f"--out_dir={tmp_path / 'whole'}"])
+    kill_when_writing(monkeypatch, "train_000002.bin", partial_bytes=100)
+    with pytest.raises(KeyboardInterrupt):
+        pd.main(args + [f"--out_dir={tmp_path / 'resumed'}"])
+    monkeypatch.undo()
+    pd.main(args + [f"--out_dir={tmp_path / 'resumed'}"])
+    assert contents(tmp_path / "resumed") == contents(tmp_path / "whole")
+    check_dataset(tmp_path / "whole", texts)
+
 def test_load_meta_names_the_command(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cases = {"data/pydocs-byte": "`python prepare_data.py --dataset=pydocs --tokenizer=byte`",

@@ -8,10 +8,10 @@
 #      tokens a step, the paper's lrs) on the pysource corpus, which prepare_data.py makes offline from
 #      the Python code of this machine's own interpreter and packages (GPT-2's tokens, 60M of them),
 #      308 steps = 10.1M tokens a run, all six at once on the one GPU, compiled, each holding 4 of its
-#      16 sequences at a time; runs still going 95 s before the 7 minutes are stopped; then
+#      16 sequences at a time; runs still going 80 s before the 7 minutes are stopped; then
 #      tools.loss_table (loss_table.md: each run's validation loss at the last step that all six
 #      evaluated, beside the paper's 128M numbers), analyze.py (effective_rank.png,
-#      head_correlation.png, rank_during_training.png) and sample.py, all in figures/;
+#      head_correlation.png, rank_during_training.png) and, in the time left, sample.py, all in figures/;
 #   2. decoding, eager and compiled (the fixed-shape step as CUDA graphs), all nine variants (model.py's
 #      five and lib/attention/rivals.py's GTA, GLA, TPA, MLRA), 2,048 and
 #      8,192 tokens (where reading the cache is most of a step: docs/decoding.md's roofline), batch 16,
@@ -96,17 +96,23 @@ train_runs() {  # $1: when they stop (seconds since the epoch); the runs named, 
   [ -n "${sampler:-}" ] && kill "$sampler"
   true
 }
-# Phase 1's runs stop 95 s before its end, the time its last three steps may take at most
+# Phase 1's runs stop 80 s before its end, what the loss table and analyze.py may take at most; the
+# sample takes what is left
 figures() {
-  local start status=0
+  local start status=0 left
   start=$(date +%s)
   timeout 60 "$python" prepare_data.py --dataset=pysource --max_tokens=$corpus --out_dir="$out/data" || return
-  train_runs $(( start + phase1 - 95 )) "${runs[@]}"
+  train_runs $(( start + phase1 - 80 )) "${runs[@]}"
   echo "the six runs ended $(( $(date +%s) - start )) s into the phase"
   timeout 20 "$python" -m tools.loss_table "$out/figures" --tokens_per_step=$step_tokens || status=1
   timeout 60 "$python" analyze.py "$out/figures" || status=1
-  timeout 15 "$python" sample.py "$out/figures/lrkv-r16/ckpt.pt" --prompt="def " --max_new_tokens=64 \
-    || status=1
+  left=$(( start + phase1 - $(date +%s) ))
+  if (( left >= 10 )); then
+    timeout $left "$python" sample.py "$out/figures/lrkv-r16/ckpt.pt" --prompt="def " --max_new_tokens=64 \
+      || status=1
+  else
+    echo "no sample: ${left} s left of the phase's ${phase1}"
+  fi
   echo "phase 1 took $(( $(date +%s) - start )) s"
   return $status
 }
