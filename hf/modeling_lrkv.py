@@ -10,10 +10,11 @@ only what transformers asks of a model, and says it where it does:
 
   - LRKVConfig holds the checkpoint's model_args, which model.GPTConfig checks: an edited config.json is
     refused at load in one line that names the field, and weights that config.json does not describe too.
+    Its to_dict() adds the standard sizes they make (hidden_size, ...), which PEFT's prompt tuning reads.
   - Every sequence is read after an end-of-text, as sample.py and eval.py read it and as every training
     document starts: the cache begins with it, so that a text tokenized without one (the tokenizer adds
     none) is scored and continued as this repository scores and continues it. A sequence whose first
-    token is end-of-text is read as it is.
+    token is end-of-text is read as it is; inputs_embeds are read after the end-of-text's embedding.
   - Positions come from the attention mask: a token's position is the number of real tokens before it in
     its row, so a left-padded batch (the tokenizer pads on the left) decodes as each row would alone.
   - LRKVCache is transformers' Cache around ring.RingKVCache: it holds what the repository's decoder
@@ -22,8 +23,13 @@ only what transformers asks of a model, and says it where it does:
   - Training, as transformers' own models train: no cache while the model trains or is checkpointed
     (LRKVModel.read), GPT's training path with each row read alone (read_rows_alone), checkpointing
     through transformers' hook (_set_gradient_checkpointing), the loss first in the output.
+  - generate stops at the context, keeping what it made (_prepare_generated_length); an attn_implementation
+    or cache_implementation it cannot honour is refused in one line.
+  - The forward reads no tensor's value into Python (.item()) and hooks nothing unless asked: one graph
+    under torch.compile (docs/export.md names the one break left, a windowed model's padded prompt).
   - The folder runs the code the export wrote: config.json's code_sha256 (check_code), and the
-    tokenizer's class is this file's (LRKVTokenizer), so that too old a transformers stops at either.
+    tokenizer's class is this file's (LRKVTokenizer), so that too old a transformers stops at either,
+    in one line (said_in_one_line).
 """
 
 import hashlib
@@ -340,9 +346,10 @@ class LRKVPreTrainedModel(PreTrainedModel):
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """An empty LRKVCache, which the first forward fills, unless one was given or none is used; a
-        ValueError of one line for a cache_implementation other than this growing one ("dynamic")."""
+        ValueError of one line for a cache_implementation other than this growing one ("dynamic", or
+        "dynamic_full", which transformers 5.0 asks for assisted decoding)."""
         asked = generation_config.cache_implementation
-        if asked not in (None, "dynamic"):
+        if asked not in (None, "dynamic", "dynamic_full"):
             raise ValueError(f"this model caches with its own LRKVCache, which grows with the sequence: "
                              f"cache_implementation={asked!r} cannot be honoured; give none")
         if generation_config.use_cache is not False and model_kwargs.get(CACHE) is None:

@@ -5,8 +5,10 @@ transformers' generate, our greedy and sampled tokens, a left-padded batch inclu
 holds after a prompt has our cache's bytes (a window's last W positions where that is all its
 readers see), and a chunk longer than the window decodes as the full forward; lm-evaluation-harness,
 as `lm_eval --model hf` and as a library, scores our log-likelihoods; MHA, GQA and MQA load as
-transformers' own NanoChatForCausalLM, without remote code, and so does LRKV with --native; the
-tokenizers encode as the data's; bad input is one line and exit code 2 with nothing written."""
+transformers' own NanoChatForCausalLM, without remote code, and so does LRKV with --native, every
+embedding row training as ours; PEFT's prompt tuning and LoRA train by the card's names; the forward is one
+torch.compile graph; the tokenizers encode as the data's; bad input is one line and exit code 2 with
+nothing written."""
 
 import copy
 import dataclasses
