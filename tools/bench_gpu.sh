@@ -49,7 +49,7 @@ if [ "${TINY:-}" ]; then
     --log_interval=2)
   step_tokens=256 corpus=200000 phase1=200 rivals_limit=60
   ranks=(1 4) bench=(--preset=tiny --device=cpu) decode=() limit=3
-  export OMP_NUM_THREADS=1
+  run_env=(OMP_NUM_THREADS=1)
 else
   # config/gpu.py's batch, 16 x 2048 tokens, and lrs; 308 steps, 10.1M tokens, warmed up over 10 (3%,
   # as config/gpu.py's 250 of 8,000); 4 evaluations for rank_during_training.png, each on 32,768
@@ -59,10 +59,11 @@ else
     --log_interval=14)
   step_tokens=32768 corpus=60000000 phase1=420 rivals_limit=260
   ranks=(16 64) bench=(--preset=128m) decode=(--contexts=2048,8192) limit=100
-  # six processes compile at once on the machine's cores, and keep the GPU's memory in few segments
-  export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-2}
-  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-  export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+  # six processes compile at once on the host's cores (16 on a lent GPU's), and keep the GPU's
+  # memory in few segments
+  run_env=(OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
+    TORCHINDUCTOR_COMPILE_THREADS="${TORCHINDUCTOR_COMPILE_THREADS:-2}"
+    PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}")
 fi
 # the figures' six runs, the Makefile's RUNS, named by the paper's LRKV ranks
 runs=(mha "lrkv-r16 --attn=lrkv --lrkv_rank=${ranks[0]}" "lrkv-r64 --attn=lrkv --lrkv_rank=${ranks[1]}" mqa mla gqa)
@@ -77,9 +78,9 @@ train_runs() {  # $1: when they stop (seconds since the epoch); the runs named, 
   for spec in "$@"; do
     read -r name flags <<<"$spec"
     # a run past its limit is stopped; its last evaluation's checkpoint is what analyze.py reads
-    timeout $(( until > $(date +%s) ? until - $(date +%s) : 1 )) "$python" train.py config/gpu.py \
-      ${flags:---attn=$name} "${model[@]}" "${run[@]}" --data_dir="$out/data" --out_dir="$out/figures/$name" \
-      >"$out/figures/$name.out" 2>&1 &
+    env "${run_env[@]}" timeout $(( until > $(date +%s) ? until - $(date +%s) : 1 )) \
+      "$python" train.py config/gpu.py ${flags:---attn=$name} "${model[@]}" "${run[@]}" \
+      --data_dir="$out/data" --out_dir="$out/figures/$name" >"$out/figures/$name.out" 2>&1 &
     pids+=($!) names+=("$name")
   done
   # the GPU's memory and use every 5 s while they train, to check the sizing against
@@ -101,7 +102,8 @@ train_runs() {  # $1: when they stop (seconds since the epoch); the runs named, 
 figures() {
   local start status=0 left
   start=$(date +%s)
-  timeout 60 "$python" prepare_data.py --dataset=pysource --max_tokens=$corpus --out_dir="$out/data" || return
+  # 90 s at most: a slow disk costs the runs steps, not the phase its 7 minutes
+  timeout 90 "$python" prepare_data.py --dataset=pysource --max_tokens=$corpus --out_dir="$out/data" || return
   train_runs $(( start + phase1 - 80 )) "${runs[@]}"
   echo "the six runs ended $(( $(date +%s) - start )) s into the phase"
   timeout 20 "$python" -m tools.loss_table "$out/figures" --tokens_per_step=$step_tokens || status=1
