@@ -468,10 +468,10 @@ def layout(c):
 
 
 def peft_names(model, native):
-    """The names PEFT's target_modules and target_parameters take for the folder's model, each once in
-    order: its blocks' linear layers (what target_modules="all-linear" adapts: every nn.Linear but the
-    output layer), as the folder's class names them (a native folder's: NanoChat's, native_weights'), and
-    the parameters that no linear layer or embedding holds (LRKV's B_k and B_v)."""
+    """The card's names for PEFT, each once in order: the blocks' linear layers, which target_modules takes
+    (and "all-linear" adapts: every nn.Linear but the output layer), as the folder's class names them (a
+    native folder's: NanoChat's, native_weights'); and the blocks' bare parameters, which no linear layer
+    holds and all-linear leaves (LRKV's B_k and B_v)."""
     if native:
         linears = [name.split(".")[-2] for name in native_weights(model) if name.startswith("model.layers.")]
         return list(dict.fromkeys(linears)), []
