@@ -74,6 +74,18 @@ def test_tiny_bench_writes_a_row_per_variant(tmp_path, capsys):
         assert (row["batch1"] is None) == (name not in serve_tool.BATCH1), name
         assert row["batch1"] is None or positive_numbers(row["batch1"], "tokens_per_s", "mean_ms_per_token")
         assert f"| {name} | bfloat16 |" in stdout
+    # each row's mean decode step against its roofline at the ceilings of the same run; the compared
+    # variants' rows the median of ROUNDS runs, the others' one; the long workload serves the compared alone
+    assert serve["workload"]["ceiling"] == result["peaks"][-1]
+    for key in ("serve", "serve_long"):
+        for name, row in result[key]["variants"].items():
+            for r in row["serve"]:
+                assert positive_numbers(r, "step_ms", "step_rows", "step_positions", "step_bytes", "step_flops",
+                                        "roofline_ms", "x_roofline"), (key, name)
+                assert r["rounds"] == (serve_tool.ROUNDS if name in serve_tool.COMPARED else 1), (key, name)
+                assert r["x_roofline"] == pytest.approx(r["step_ms"] / r["roofline_ms"]), (key, name)
+    assert sorted(result["serve_long"]["variants"]) == sorted(serve_tool.COMPARED)
+    assert result["serve_long"]["workload"]["prompt"] == list(serve_tool.WORKLOADS["tiny-long"]["prompt"])
     config = result["config"]
     # the paper's 1/H + r/d_h, plus each head's key RMS that the decoder caches (+1/(2 d_h))
     H, d_h = config["n_head"], config["head_dim"]
@@ -166,6 +178,18 @@ def test_bad_decode_flags_are_refused_in_one_line(flag, message, tmp_path, capsy
     error = capsys.readouterr().err.splitlines()[-1]
     assert error.endswith(f": error: {message}")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("attn", ["mha", "gqa"])
+def test_a_steps_flops_are_its_projections_a_row_and_its_attention_a_position(attn):
+    """serve.step_flops by torch's counter on one token's exact step: every linear layer's 2 in out a row
+    (the unembedding's included), and each cached position's q . k and a v, 2 d_h each, for every query
+    head of every layer."""
+    config = GPTConfig(attn=attn, **bench.PRESETS["tiny"]["model"])
+    model = bench.inference_model(config, torch.device("cpu"), serve_tool.DTYPE)
+    flops = serve_tool.step_flops(model, torch.device("cpu"))
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert flops == dict(per_row=2 * linear, per_position=4 * config.n_head * config.head_dim * config.n_layer)
 
 
 def test_a_shared_prefix_is_shared_where_the_engine_shares_and_computed_again_where_not(tmp_path, capsys):

@@ -33,7 +33,9 @@ mask), as one CUDA graph on a GPU; the seconds its compiling takes are reported 
 
 Serving (tools/serve.py): one seeded workload of requests at one KV budget through continuous
 batching over a paged cache, every variant with each cache storage (bf16, int8, int4), against the
-same requests through batch-1 generate: sequences in flight, tokens/s, ms per token, preemptions.
+same requests through batch-1 generate: sequences in flight, tokens/s, ms per token, preemptions,
+and the mean decode step against its roofline on the ceilings (measure_peaks) of the same run; then
+the preset's decode-dominated workload (serve.LONG) for the compared variants (serve.COMPARED).
 
     python -m tools.bench --preset=cpu --only=serve
 
@@ -485,8 +487,9 @@ def markdown(result):
             verdict = "ok" if ch["decode_rel_err"] < ch["decode_tol"] else "FAIL"
             lines.append(f"| {name} | {ch['flash_error'] or 'ok'} | {used} | {ch['decode_rel_err']:.1e} "
                          f"({verdict}: tolerance {ch['decode_tol']:.0e}) |")
-    if "serve" in result:
-        lines += ["", serve.markdown(result["serve"])]
+    for key in ("serve", "serve_long"):
+        if key in result:
+            lines += ["", serve.markdown(result[key])]
     if "peaks" in result:
         lines += ["", f"Ceilings (measure_peaks, best of 5): {'; '.join(map(ceilings, result['peaks']))}"]
     if "mha_sdpa_ms" in result:
@@ -679,12 +682,22 @@ def main(argv=None):
             log(f"{attn}: decoding {', '.join(times)}{speedup}")
         save(result, args.out)
     if args.only in (None, "serve"):
-        log("serving, every variant in turn")
+        if "peaks" not in result:  # the ceilings of the steps' rooflines, measured in the same run
+            result["peaks"] = measure_peaks(preset, device, decode_dtype)
+            log("ceilings: " + "; ".join(map(ceilings, result["peaks"])))
+        ceiling = result["peaks"][-1]  # at torch's threads, the engine's
         models = {attn: inference_model(GPTConfig(attn=attn, **preset["model"]), device, serve.DTYPE)
                   for attn in result["variants"]}
-        result["serve"] = serve.bench_serve(models, serve.WORKLOADS[args.preset], device, log,
+        # the preset's workload for every variant, then its decode-dominated one for the compared ones
+        runs = [("serve", args.preset, models)]
+        if args.preset in serve.LONG:
+            runs.append(("serve_long", serve.LONG[args.preset],
+                         {attn: model for attn, model in models.items() if attn in serve.COMPARED}))
+        for key, name, chosen in runs:
+            log(f"serving the {name} workload, every variant in turn")
+            result[key] = serve.bench_serve(chosen, serve.WORKLOADS[name], device, log, ceiling,
                                             lambda: clock(device), args.shared_prefix, args.share_prefixes)
-        save(result, args.out)
+            save(result, args.out)
     print(markdown(result))
     log(f"wrote {args.out}; {time.perf_counter() - T0:.0f} s in all")
 

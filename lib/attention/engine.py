@@ -73,7 +73,9 @@ class Engine:
     chunk: the prefill tokens a step; clock: seconds (tools/bench.py's: CPU time at one thread);
     share_prefixes: a context's beginning shared where another's was the same. stats, after generate:
     peak_in_flight, preemptions, forwards, shared_tokens (context tokens not computed again), seconds,
-    new_tokens, mean_s_per_token."""
+    new_tokens, mean_s_per_token; and of the decode forwards (one token a row): decode_forwards, their
+    decode_rows, decode_positions (each row's context, the new token's included) and decode_seconds, summed
+    (tools/serve.py's roofline of a mean step)."""
 
     def __init__(self, model, kv_budget_bytes, storage=RingKVCache, dtype=None, block_size=16, chunk=256,
                  clock=time.perf_counter, share_prefixes=True):
@@ -149,7 +151,8 @@ class Engine:
         requests = [Request(i, *request) for i, request in enumerate(zip(prompts, max_new_tokens))]
         waiting = deque(sorted(requests, key=lambda r: -r.max_new_tokens))  # the most tokens to decode first
         running, done, per_token = [], {}, []  # running: oldest first; per_token: each request's seconds
-        stats = self.stats = dict(peak_in_flight=0, preemptions=0, forwards=0, shared_tokens=0, new_tokens=0)
+        stats = self.stats = dict(peak_in_flight=0, preemptions=0, forwards=0, shared_tokens=0, new_tokens=0,
+                                  decode_forwards=0, decode_rows=0, decode_positions=0, decode_seconds=0.0)
         begin = self.clock()
 
         def draw(logits):  # (B, vocab) -> (B,) the next tokens
@@ -174,7 +177,12 @@ class Engine:
             decoding = [r for r in ready if r in running and self.make_room(r, 1, waiting, running)]
             if decoding:
                 stats["peak_in_flight"] = max(stats["peak_in_flight"], len(running))
+                stats["decode_positions"] += sum(r.cached + 1 for r in decoding)  # each row's, this one's too
+                t0 = self.clock()
                 self.forward(decoding, [r.out[-1] for r in decoding], draw, last=True)
+                stats["decode_seconds"] += self.clock() - t0
+                stats["decode_forwards"] += 1
+                stats["decode_rows"] += len(decoding)
             for request in [r for r in running if len(r.out) == r.max_new_tokens]:
                 running.remove(request)
                 self.cache.release(request.id)
