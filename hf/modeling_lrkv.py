@@ -704,6 +704,21 @@ class LRKVForCausalLM(LRKVPreTrainedModel, GenerationMixin):
             generation_config.max_length = context - embedded
         return generation_config
 
+    def _get_candidate_generator(self, generation_config, *args, **kwargs):
+        """transformers' guesser for prompt lookup and assisted decoding, its guesses cut to the context: the
+        tokens so far and the guesses at most max_length - 1 (_prepare_generated_length's, the tokens a
+        sequence holds), as prompt lookup's are not (transformers caps them by the tokens so far alone), so
+        that generate stops at the context there too, rather than in the forward's refusal."""
+        guesser = super()._get_candidate_generator(generation_config, *args, **kwargs)
+        guess, most = guesser.get_candidates, generation_config.max_length - 1
+
+        def get_candidates(input_ids, *args, **kwargs):
+            ids, logits = guess(input_ids, *args, **kwargs)  # (B, S + guesses), (B, guesses, vocab) or None
+            keep = max(most, input_ids.size(1))
+            return ids[:, :keep], None if logits is None else logits[:, :keep - input_ids.size(1)]
+        guesser.get_candidates = get_candidates
+        return guesser
+
     def forward(self, input_ids=None, attention_mask=None, cache=None, past_key_values=None, labels=None,
                 use_cache=None, output_hidden_states=None, return_dict=None, num_items_in_batch=None,
                 **kwargs):
