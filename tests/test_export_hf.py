@@ -715,8 +715,8 @@ def test_a_sequence_past_the_context_is_one_line(build):
 def test_generate_past_the_context_stops_there_keeping_its_tokens(build, caplog):
     """generate asked for more tokens than the context holds stops at it, with one warning line: 64 tokens
     (the prompt's 24 and 40 new), the last predicted from the 63 a sequence holds, our greedy tokens, and
-    the same with prompt lookup's and assisted decoding's guesses; a left-padded batch likewise (its pads counted); a prompt of 64
-    tokens is refused in one line."""
+    the same with prompt lookup's and assisted decoding's guesses; a left-padded batch likewise (its pads
+    counted); a prompt of 64 tokens is refused in one line."""
     lrkv = build("lrkv", 1)
     ids = ids_of(lrkv, PROMPTS[0])
     caplog.clear()
@@ -728,7 +728,7 @@ def test_generate_past_the_context_stops_there_keeping_its_tokens(build, caplog)
     [warning] = [r.getMessage() for r in caplog.records if "context" in r.getMessage()]
     assert warning == (f"generate stops at the model's context: {context} tokens, the prompt's included (its "
                        f"{context - 1} and the one they predict), not the {ids.size(1) + 200} asked")
-    for guessing in (dict(prompt_lookup_num_tokens=3), dict(assistant_model=lrkv.hf)):  # guesses too stop there
+    for guessing in (dict(prompt_lookup_num_tokens=3), dict(assistant_model=lrkv.hf)):  # their guesses too
         assert torch.equal(lrkv.hf.generate(ids, max_new_tokens=200, do_sample=False, **guessing), greedy)
     batch = lrkv.tok(PROMPTS, padding=True, return_tensors="pt")
     assert lrkv.hf.generate(**batch, max_new_tokens=200, do_sample=False).shape == (2, context)
