@@ -30,7 +30,8 @@
 #
 #     tools/bench_gpu.sh [out_dir]             # out_dir: default $OUT, else out/gpu
 #     TINY=1 tools/bench_gpu.sh /tmp/try       # the same steps at toy sizes on a CPU, in a few minutes
-#     PHASES="1 2" tools/bench_gpu.sh          # only the phases named (default: 1 2 3 4 5)
+#     PHASES="1 2" tools/bench_gpu.sh          # only the phases named (default: 1 2 3 4 5); 4 and 5
+#                                              # read what 1 wrote into the same out_dir
 set -uo pipefail
 case "${1:-}" in -*) echo "bench_gpu.sh: the only argument is the output folder (got $1)" >&2; exit 2 ;; esac
 out=$(realpath -m -- "${1:-${OUT:-out/gpu}}")
