@@ -53,10 +53,11 @@ if [ "${TINY:-}" ]; then
   run_env=(OMP_NUM_THREADS=1)
 else
   # config/gpu.py's batch, 16 x 2048 tokens, and lrs; 308 steps, 10.1M tokens, warmed up over 10 (3%,
-  # as config/gpu.py's 250 of 8,000); 4 evaluations for rank_during_training.png, each on 32,768
-  # validation tokens. The six runs train at once, so that one's compiling and evaluations overlap
-  # the others' steps on the GPU: each holds 4 sequences at a time, about 10 GiB.
-  model=() run=(--micro_batch_size=4 --max_steps=308 --warmup_steps=10 --eval_interval=77 --eval_tokens=32768
+  # as config/gpu.py's 250 of 8,000); 4 evaluations for rank_during_training.png, each on 262,144
+  # of the corpus's ~600k validation tokens (128 windows: a forward pass of a quarter second on the
+  # GPU, where 16 would hold a few files). The six runs train at once, so that one's compiling and
+  # evaluations overlap the others' steps on the GPU: each holds 4 sequences at a time, about 10 GiB.
+  model=() run=(--micro_batch_size=4 --max_steps=308 --warmup_steps=10 --eval_interval=77 --eval_tokens=262144
     --log_interval=14)
   step_tokens=32768 corpus=60000000 phase1=420 rivals_limit=260
   ranks=(16 64) bench=(--preset=128m) decode=(--contexts=2048,8192) limit=100
