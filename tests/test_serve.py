@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lib.attention.decode import ExactKVCache, FixedKVCache
+from lib.attention import quant_c
 from lib.attention.engine import Engine
 from lib.attention.layout import kv_cache_elements_per_token
 from lib.attention.paged import PagedKVCache, blocks_for, bucket, paged_cache_class
@@ -146,7 +147,44 @@ def test_a_decode_forward_of_bucketed_shapes_gives_every_rows_logits_alone(attn,
     assert cache.held_bytes() >= held and sorted(cache.lengths.values()) == sorted(map(len, contexts))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def decode_once(model, storage, dtype, contexts):
+    """The logits (B, vocab) of one decode forward of every context's last token, after each context less
+    it prefilled alone, through a paged cache of storage in dtype (blocks of 4)."""
+    cache = paged_cache_class(storage)(model, 10**6, dtype, block_size=4)
+    with torch.no_grad():
+        for seq, context in enumerate(contexts):
+            assert cache.grow(seq, len(context) - 1)
+            cache.select([seq])
+            model(torch.tensor([context[:-1]]), cache=cache)
+        for seq in range(len(contexts)):
+            assert cache.grow(seq, 1)
+        cache.select(range(len(contexts)))
+        return model(torch.tensor([[context[-1]] for context in contexts]), cache=cache)[0][:, -1]
+
+
+@pytest.mark.skipif(quant_c.library() is None, reason="quant.c is not built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("storage", [RingKVCache, Int8KVCache], ids=["plain", "int8"])
+@pytest.mark.parametrize("attn", ["mha", "gqa", "mqa"])
+def test_mha_gqa_and_mqa_read_the_pool_in_place_as_the_gathered_step(attn, storage, dtype, monkeypatch):
+    """One token a row of MHA, GQA and MQA reads the pool's keys and values where they lie (quant.c's
+    paged_gqa_decode, each row its own slots): the logits of the gathered, dequantised step (gqa_step),
+    plain and int8, fp32 and bf16, with shared keys and with windows of 5 that hide a row's oldest slots."""
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.05, rtol=0.05)
+    for layout, knobs in LAYOUTS.items():
+        model = tiny_model(attn, n_layer=2, block_size=64, **knobs).to(dtype)
+        contexts = prompts([5, 23, 9, 14])
+        calls = []
+        in_place = PagedKVCache.gqa_step_in_place
+        monkeypatch.setattr(PagedKVCache, "gqa_step_in_place", lambda *a: calls.append(1) or in_place(*a))
+        read = decode_once(model, storage, dtype, contexts)
+        assert len(calls) == model.config.n_layer, layout
+        monkeypatch.setattr(PagedKVCache, "reads_in_place", lambda *a: False)
+        torch.testing.assert_close(read, decode_once(model, storage, dtype, contexts), **tolerance, msg=layout)
+        monkeypatch.undo()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_the_pools_int8_read_in_its_dtype_is_the_fp32_values_rounded_once(dtype):
     """The paged pool holds int8 entries slot by slot (each slot's numbers contiguous, for its gathers), and
     reads them in the cache's dtype: bit for bit the fp32 products c s rounded to that dtype."""

@@ -37,7 +37,8 @@ import math
 import torch
 
 from lib.attention.decode import gqa_step, lrkv_step, mla_step, step_for
-from lib.attention.quant import KEYS
+from lib.attention import quant_c
+from lib.attention.quant import KEYS, in_c
 from lib.attention.ring import RingKVCache, visible
 
 # The single-token steps that one token a row decodes by, whose scores are (B, H, S), so that a mask
@@ -48,7 +49,7 @@ from lib.attention.ring import RingKVCache, visible
 ROW_MASK_STEPS = {lrkv_step, mla_step}
 CPU_ROW_MASK_STEPS = ROW_MASK_STEPS | {gqa_step}
 # The buckets of those steps' shapes (attend): rows and positions read rounded up to a multiple of each
-ROW_BUCKET, POSITION_BUCKET = 4, 32
+ROW_BUCKET, POSITION_BUCKET = 2, 32
 
 
 def bucket(n, size):
@@ -260,6 +261,8 @@ class PagedKVCache(RingKVCache):
         source = self.sources[owner]
         step = step_for(attn, source) if T == 1 else None
         row_steps = CPU_ROW_MASK_STEPS if q.device.type == "cpu" else ROW_MASK_STEPS
+        if step is gqa_step and self.reads_in_place(owner, q):
+            return self.gqa_step_in_place(owner, q, here, start, end, window)
         rows, S = self.rows, end - start
         if step in row_steps:  # one token a row: its variant's exact step, on shapes of a few buckets, where
             # the GEMMs of a shape met for the first time cost a CPU twice those of one met before (oneDNN
@@ -287,6 +290,29 @@ class PagedKVCache(RingKVCache):
         prompt = B == 1 and end == T and window is None  # a whole prompt at once: Attention.attend's causal
         k, v = source.cached_keys_values(rope, **entries)
         return attn.attend(q, k, v, None if prompt else mask)
+
+    def reads_in_place(self, owner, q):
+        """Whether MHA's, GQA's and MQA's one token a row reads owner's keys and values where they lie in the
+        pool (gqa_step_in_place): on a CPU where quant.c is built, a plain pool of fp32 or bf16 or an int8
+        one, and a query short of fp64 (the tests' exact decodes)."""
+        k = self.layers[owner]["k"]
+        return (not self.whole and k.dtype in (torch.float32, torch.bfloat16, torch.int8)
+                and in_c(q.dtype, q, k))
+
+    def gqa_step_in_place(self, owner, q, here, start, end, window):
+        """gqa_step's equation, softmax_t(q_h . k_{t,g} / sqrt(d)) v_{t,g} for query head h of key head g,
+        each row over its own positions start..end-1 that visible lets it see, by quant.c's loop over their
+        slots in the pool: no slot gathered or dequantised (an int8 row s c: q . (s c) = s (q . c), and
+        a weight times s onto the codes), every number in fp32. q (B, 1, H, d) -> (B, 1, H, d)."""
+        keys = torch.arange(start, end)
+        slots = self.row_slots(self.rows, owner, start, end)  # (B, S)
+        held = (slots >= 0) & (keys <= here[:, -1:])
+        seen = visible(here, torch.where(held, keys, -1), window)[:, 0]  # (B, S)
+        pool = {name: buf[0] for name, buf in self.layers[owner].items()}  # (n, G, d), scales (n, G, 1)
+        scales = [pool[f"{name}.scale"][..., 0] if f"{name}.scale" in pool else None for name in ("k", "v")]
+        out = quant_c.paged_gqa_decode(q[:, 0], torch.where(seen, slots, -1), pool["k"], pool["v"], *scales,
+                                       1 / math.sqrt(q.size(-1)))
+        return out.to(q.dtype).unsqueeze(1)
 
     def store_whole(self, owner, new, here, entries):
         """Each row's new entries {name: (B, T, *shape)} of positions here (B, T): those that make keys into

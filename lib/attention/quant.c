@@ -10,6 +10,9 @@ fp64, torch.compile, no compiler), and the tests hold both to the same numbers.
     int4_weighted_sum  sum_t p_t x_t over an int4 entry held per token (values)
     int8_key_dot       int4_key_dot's over an int8 entry (LRKV's r_k)
     int8_store, int4_store   a token's rows quantised into their slots, bit for bit quant.py's arithmetic
+    paged_gqa_decode   MHA's, GQA's and MQA's step over the paged pool's slots where they lie (paged.py),
+                       plain (fp32, bf16) or int8
+    int8_gather        Int8KVCache's load of slots (the paged pool's rows), dequantised in one pass
 
 Layout (quant.laid_out): every entry read here lies position-last, rows of L bytes, a row's positions
 contiguous, so that every loop runs along positions, V at a time in a vector (GCC's and Clang's vector
@@ -23,6 +26,9 @@ the group being filled waits in full precision in a residual (its positions res_
 Arithmetic in fp32; numbers of bf16 read as such (a bf16 is an fp32's top 16 bits).
 */
 #include <float.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -34,6 +40,7 @@ typedef uint32_t u32xV __attribute__((vector_size(4 * V)));
 typedef int32_t i32xV __attribute__((vector_size(4 * V)));
 typedef uint16_t u16xV __attribute__((vector_size(2 * V)));
 typedef uint8_t u8xV __attribute__((vector_size(V)));
+typedef int8_t i8xV __attribute__((vector_size(V)));
 
 /* V fp32 (is_bf16 0) or bf16 (1) numbers from x, as fp32 */
 static inline f32xV load(const void *x, int is_bf16) {
@@ -372,5 +379,165 @@ void int4_store(long B, long T, long R, int D, long m, const void *x, int x_bf16
                     }
                 }
             }
+        }
+}
+
+/* V numbers of a slot's row at x, as fp32: fp32 (kind 0), bf16 (1) or int8 codes (2) */
+static inline f32xV row_load(const void *x, int kind) {
+    if (kind != 2) return load(x, kind);
+#if defined(__AVX512F__) && V == 16  /* GCC 12 converts a vector of signed bytes one byte at a time */
+    __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)x)));
+    f32xV out;
+    memcpy(&out, &f, sizeof out);
+    return out;
+#else
+    i8xV b;
+    memcpy(&b, x, sizeof b);
+    return __builtin_convertvector(__builtin_convertvector(b, i32xV), f32xV);  /* as codes(): via 32 bits */
+#endif
+}
+
+/* number i of a slot's row, as row_load's */
+static inline float row_at(const void *x, int kind, long i) {
+    return kind == 2 ? ((const int8_t *)x)[i] : at(x, kind, i);
+}
+
+/* the sum of v's numbers by halves (a loop's sum adds them one after another, a chain of V adds) */
+static inline float halves_sum(f32xV v) {
+    float h[V];
+    memcpy(h, &v, sizeof h);
+    for (int w = V / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; l++) h[l] += h[l + w];  /* unrolled by the compiler: vector adds */
+    return h[0];
+}
+
+/* q . x over a row of D numbers (x: row_load's kinds), q fp32; two sums, so that two chains run at once */
+static inline float row_dot(const float *q, const void *x, int kind, int D) {
+    int size = kind == 0 ? 4 : kind == 1 ? 2 : 1, i = 0;
+    f32xV acc = {0}, acc2 = {0};
+    for (; i + 2 * V <= D; i += 2 * V) {
+        f32xV a, b;
+        memcpy(&a, q + i, sizeof a);
+        memcpy(&b, q + i + V, sizeof b);
+        acc += a * row_load((const char *)x + i * size, kind);
+        acc2 += b * row_load((const char *)x + (i + V) * size, kind);
+    }
+    for (; i + V <= D; i += V) {
+        f32xV a;
+        memcpy(&a, q + i, sizeof a);
+        acc += a * row_load((const char *)x + i * size, kind);
+    }
+    float y = halves_sum(acc + acc2);
+    for (; i < D; i++) y += q[i] * row_at(x, kind, i);
+    return y;
+}
+
+/* y += w x over a row of D numbers (x: row_load's kinds), y fp32 */
+static inline void row_axpy(float *y, float w, const void *x, int kind, int D) {
+    int size = kind == 0 ? 4 : kind == 1 ? 2 : 1, i = 0;
+    for (; i + V <= D; i += V) {
+        f32xV a;
+        memcpy(&a, y + i, sizeof a);
+        a += w * row_load((const char *)x + i * size, kind);
+        memcpy(y + i, &a, sizeof a);
+    }
+    for (; i < D; i++) y[i] += w * row_at(x, kind, i);
+}
+
+/* One new token a row over the paged pool's keys and values where they lie (paged.py; MHA's, GQA's and
+   MQA's single-token step, decode.gqa_step), rows b0..b1-1 of B: row b reads its S positions' slots
+   slots[b S + t] (-1: a position it does not see), each slot G heads of D numbers, its keys at
+   k + (slot G + g) D and values likewise, fp32 (kind 0), bf16 (1) or int8 codes (2) with a scale a slot
+   and head (k_scale[slot G + g], fp32 or bf16: scale_bf16), query head h = g H/G + j reading head g:
+
+       out[b, h] = sum_t softmax_t(scale q[b, h] . k[t, g]) v[t, g]
+
+   an int8 row being s c, q . (s c) = s (q . c) and the weights times s go onto the codes. q, out (B, H, D)
+   fp32; room: S fp32 numbers a query head (the scores, then the weights). */
+static inline __attribute__((always_inline)) void gqa_rows(
+        long b0, long b1, long S, int H, int G, int D, const float *q, const int64_t *slots, const void *k,
+        const void *v, const int kind, const void *k_scale, const void *v_scale, int scale_bf16, float scale,
+        float *out, float *room) {
+    int M = H / G, size = kind == 0 ? 4 : kind == 1 ? 2 : 1;
+    for (long b = b0; b < b1; b++) {
+        const int64_t *slot = slots + b * S;
+        const float *q_b = q + b * H * D;
+        float top[H], total[H];
+        for (int h = 0; h < H; h++) top[h] = -INFINITY, total[h] = 0;
+        /* the scores, a slot's keys read once, every head of it in turn (room: S numbers a query head) */
+        for (long t = 0; t < S; t++) {
+            if (slot[t] < 0) continue;
+            for (int g = 0; g < G; g++) {
+                long row = slot[t] * G + g;
+                const char *key = (const char *)k + row * D * size;
+                float s = kind == 2 ? scale * at(k_scale, scale_bf16, row) : scale;
+                for (int j = 0; j < M; j++) {
+                    int h = g * M + j;
+                    float y = s * row_dot(q_b + h * D, key, kind, D);
+                    room[h * S + t] = y;
+                    top[h] = y > top[h] ? y : top[h];
+                }
+            }
+        }
+        for (int h = 0; h < H; h++)  /* the softmax's numerators */
+            for (long t = 0; t < S; t++) {
+                if (slot[t] < 0) continue;
+                float e = expf(room[h * S + t] - top[h]);
+                room[h * S + t] = e;
+                total[h] += e;
+            }
+        float *y = out + b * H * D;
+        memset(y, 0, H * D * sizeof(float));
+        for (long t = 0; t < S; t++) {  /* the weighted sum, a slot's values read once */
+            if (slot[t] < 0) continue;
+            for (int g = 0; g < G; g++) {
+                long row = slot[t] * G + g;
+                const char *value = (const char *)v + row * D * size;
+                float s = kind == 2 ? at(v_scale, scale_bf16, row) : 1;
+                for (int j = 0; j < M; j++) {
+                    int h = g * M + j;
+                    row_axpy(y + h * D, s * room[h * S + t] / total[h], value, kind, D);
+                }
+            }
+        }
+    }
+}
+
+void paged_gqa_decode(long b0, long b1, long S, int H, int G, int D, const float *q, const int64_t *slots,
+                      const void *k, const void *v, int kind, const void *k_scale, const void *v_scale,
+                      int scale_bf16, float scale, float *out, float *room) {
+    /* a loop of each kind's own, the kind known inside it */
+    if (kind == 0)
+        gqa_rows(b0, b1, S, H, G, D, q, slots, k, v, 0, k_scale, v_scale, scale_bf16, scale, out, room);
+    else if (kind == 1)
+        gqa_rows(b0, b1, S, H, G, D, q, slots, k, v, 1, k_scale, v_scale, scale_bf16, scale, out, room);
+    else
+        gqa_rows(b0, b1, S, H, G, D, q, slots, k, v, 2, k_scale, v_scale, scale_bf16, scale, out, room);
+}
+
+/* Int8KVCache's load of slots (quant.py, the same numbers): n slots' rows, slot slots[i]'s R rows of D
+   codes at codes + (slots[i] R + r) D with a scale each at scale[slots[i] R + r] (fp32 or bf16:
+   scale_bf16), into out's rows (i R + r) D as c s, fp32 or rounded once to bf16 (out_bf16): one pass where
+   PyTorch's gathers and converts in several. */
+void int8_gather(long n, long R, int D, const int8_t *codes, const void *scale, int scale_bf16,
+                 const int64_t *slots, void *out, int out_bf16) {
+    for (long i = 0; i < n; i++)
+        for (long r = 0; r < R; r++) {
+            long row = slots[i] * R + r, to = (i * R + r) * D;
+            float s = at(scale, scale_bf16, row);
+            const int8_t *c = codes + row * D;
+            int d = 0;
+            for (; d + V <= D; d += V) {
+                f32xV x = s * row_load(c + d, 2);
+                if (out_bf16) {
+                    u32xV u;
+                    memcpy(&u, &x, sizeof u);
+                    u16xV b = __builtin_convertvector((u + 0x7FFF + ((u >> 16) & 1)) >> 16, u16xV);
+                    memcpy((uint16_t *)out + to + d, &b, sizeof b);
+                } else {
+                    memcpy((float *)out + to + d, &x, sizeof x);
+                }
+            }
+            for (; d < D; d++) put(out, out_bf16, to + d, out_bf16 ? round_bf16(s * c[d]) : s * c[d]);
         }
 }

@@ -155,8 +155,13 @@ class Int8KVCache(QuantisedKVCache):
 
     def load_entry(self, buffers, name, slots, dtype=None):
         """The values c s in fp32, or in dtype where the scale is held in it (bf16, fp16): there a code
-        times its scale is exact in fp32, so one rounding to dtype gives what fp32's then dtype's do."""
-        scale = gather(buffers[f"{name}.scale"], slots)
+        times its scale is exact in fp32, so one rounding to dtype gives what fp32's then dtype's do. One
+        row's slots held slot by slot (the paged pool's) in one pass in C, the same numbers."""
+        codes, scale = buffers[name], buffers[f"{name}.scale"]
+        if (torch.is_tensor(slots) and codes.size(0) == 1 and codes.is_contiguous() and
+                dtype in (torch.float32, torch.bfloat16) and in_c(dtype, codes, scale)):  # one row's slots
+            return quant_c.int8_gather(codes[0], scale[0], slots, dtype)[None]  # (the paged pool's): in C
+        scale = gather(scale, slots)
         if not (dtype == scale.dtype and dtype in (torch.bfloat16, torch.float16)):
             scale = wide(scale)
         return gather(buffers[name], slots).to(scale.dtype) * scale

@@ -8,6 +8,7 @@ a half-written or broken object; a cached object that is not whole (empty, trunc
 load is built again, and where no build loads, one line on stderr says so and PyTorch's ops stand in.
 """
 
+import concurrent.futures
 import ctypes
 import functools
 import hashlib
@@ -31,8 +32,10 @@ SIGNATURES = {  # argument types of each function, in quant.c's order
     "int8_key_dot": "l i i p i l p l p i l l p",
     "int8_store": "l l l i p i p p l l l l p i l l l",
     "int4_store": "l l l i l p i p p l l l l p p i l l l",
+    "paged_gqa_decode": "l l l i i i p p p p i p p i f p p",
+    "int8_gather": "l l i p p i p p i",
 }
-C_TYPES = {"l": ctypes.c_long, "i": ctypes.c_int, "p": ctypes.c_void_p}
+C_TYPES = {"l": ctypes.c_long, "i": ctypes.c_int, "p": ctypes.c_void_p, "f": ctypes.c_float}
 
 
 def machine():
@@ -271,3 +274,53 @@ def int4_store(x, slots, codes, low, scale, m):
                          slots.data_ptr(), codes.data_ptr(), *codes.stride(), low.data_ptr(),
                          scale.data_ptr(), int(low.dtype == torch.bfloat16), *low.stride())
     return True
+
+
+@functools.cache
+def workers(n):
+    """n threads that run C calls side by side (ctypes lets go of the GIL for a call)."""
+    return concurrent.futures.ThreadPoolExecutor(n)
+
+
+def paged_gqa_decode(q, slots, k, v, k_scale, v_scale, scale):
+    """q (B, H, D); slots (B, S) int64, -1 where a row sees no position; the pool's keys and values k, v (n,
+    G, D), fp32, bf16 or int8 codes with their scales k_scale, v_scale (n, G) (else None) -> (B, H, D) fp32:
+    each row's softmax(scale q . k) v over the slots it sees, read where they lie (quant.c), the rows
+    shared among torch's threads."""
+    B, H, D = q.shape
+    S, G = slots.size(1), k.size(1)
+    kind = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}[k.dtype]
+    assert k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype and slots.dtype == torch.int64
+    q, slots = q.float().contiguous(), slots.contiguous()
+    scales = (k_scale.contiguous(), v_scale.contiguous()) if kind == 2 else (k, v)  # unread unless int8
+    scale_bf16 = int(scales[0].dtype == torch.bfloat16)
+    out = torch.empty(B, H, D)
+    threads = max(1, min(torch.get_num_threads(), B))
+    bounds = [B * i // threads for i in range(threads + 1)]
+    rooms = torch.empty(threads, H * S)
+
+    def rows(i):
+        library().paged_gqa_decode(bounds[i], bounds[i + 1], S, H, G, D, q.data_ptr(), slots.data_ptr(),
+                                   k.data_ptr(), v.data_ptr(), kind, scales[0].data_ptr(),
+                                   scales[1].data_ptr(), scale_bf16, scale, out.data_ptr(),
+                                   rooms[i].data_ptr())
+
+    if threads == 1:
+        rows(0)
+    else:
+        list(workers(threads).map(rows, range(threads)))
+    return out
+
+
+def int8_gather(codes, scale, slots, dtype):
+    """Int8KVCache's load_entry of one row's slots (S,) in C: codes (L, *shape) int8 and scale (L,
+    *shape[:-1], 1), each slot's numbers contiguous -> (S, *shape) c s in dtype (fp32, or bf16 rounded once:
+    the same numbers)."""
+    assert codes.is_contiguous() and scale.is_contiguous() and dtype in (torch.float32, torch.bfloat16)
+    slots = slots.to(torch.int64).contiguous()
+    D, R = codes.size(-1), codes[0].numel() // codes.size(-1)
+    out = torch.empty(len(slots), *codes.shape[1:], dtype=dtype)
+    library().int8_gather(len(slots), R, D, codes.data_ptr(), scale.data_ptr(),
+                          int(scale.dtype == torch.bfloat16), slots.data_ptr(), out.data_ptr(),
+                          int(dtype == torch.bfloat16))
+    return out
