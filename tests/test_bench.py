@@ -76,7 +76,8 @@ def test_tiny_bench_writes_a_row_per_variant(tmp_path, capsys):
         assert f"| {name} | bfloat16 |" in stdout
     # each row's mean decode step against its roofline at the ceilings of the same run; the compared
     # variants' rows the median of ROUNDS runs, the others' one; the long workload serves the compared alone
-    assert serve["workload"]["ceiling"] == result["peaks"][-1]
+    assert serve["workload"]["ceiling"] == result["serve_peaks"][-1]
+    assert result["serve_peaks"][-1]["matmul"].endswith(str(serve_tool.DTYPE).removeprefix("torch."))
     for key in ("serve", "serve_long"):
         for name, row in result[key]["variants"].items():
             for r in row["serve"]:

@@ -147,6 +147,24 @@ def test_a_decode_forward_of_bucketed_shapes_gives_every_rows_logits_alone(attn,
     assert cache.held_bytes() >= held and sorted(cache.lengths.values()) == sorted(map(len, contexts))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("attn", ["mha", "lrkv", "tpa"])
+def test_the_pools_int4_read_in_c_is_pytorchs(attn, dtype, monkeypatch):
+    """The paged pool's int4 slots (whole key groups, and entries per token of one row or two) read in one
+    pass in C: bit for bit the values of PyTorch's dequantising read."""
+    model = tiny_model(attn, n_layer=1, block_size=64).to(dtype)
+    cache = paged_cache_class(Int4Groups4)(model, 10**6, dtype, block_size=4)
+    torch.manual_seed(0)
+    slots = torch.arange(32)  # eight whole groups of 4
+    cache.store(0, slots, {name: torch.randn(1, 32, *shape, dtype=dtype)
+                           for name, shape in model.blocks[0].attn.cache_shapes().items()})
+    read = torch.randperm(32)[:20]
+    in_c = cache.load(0, read)
+    monkeypatch.setattr(quant_c, "library", lambda: None)
+    for name, values in cache.load(0, read).items():
+        assert in_c[name].dtype == values.dtype and torch.equal(in_c[name], values), name
+
+
 def decode_once(model, storage, dtype, contexts):
     """The logits (B, vocab) of one decode forward of every context's last token, after each context less
     it prefilled alone, through a paged cache of storage in dtype (blocks of 4)."""

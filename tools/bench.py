@@ -682,10 +682,11 @@ def main(argv=None):
             log(f"{attn}: decoding {', '.join(times)}{speedup}")
         save(result, args.out)
     if args.only in (None, "serve"):
-        if "peaks" not in result:  # the ceilings of the steps' rooflines, measured in the same run
-            result["peaks"] = measure_peaks(preset, device, decode_dtype)
-            log("ceilings: " + "; ".join(map(ceilings, result["peaks"])))
-        ceiling = result["peaks"][-1]  # at torch's threads, the engine's
+        # the ceilings of the steps' rooflines, measured in the same run in the serving dtype, at torch's
+        # threads (the engine's)
+        result["serve_peaks"] = measure_peaks(preset, device, serve.DTYPE)
+        log("serving's ceilings: " + "; ".join(map(ceilings, result["serve_peaks"])))
+        ceiling = result["serve_peaks"][-1]
         models = {attn: inference_model(GPTConfig(attn=attn, **preset["model"]), device, serve.DTYPE)
                   for attn in result["variants"]}
         # the preset's workload for every variant, then its decode-dominated one for the compared ones

@@ -280,11 +280,17 @@ class PagedKVCache(RingKVCache):
         entries = {name: e.view(len(rows), -1, *e.shape[2:])
                    for name, e in self.load(owner, slots.flatten().to(x.device)).items()}
         if self.whole:
-            entries = self.with_tails(rows, owner, keys, held, here, entries)
+            entries = self.with_tails(rows, owner, keys, here, entries)
         k_pos = torch.where(held, keys, -1).to(q.device)
         mask = visible(here.to(q.device), k_pos, window).unsqueeze(1)  # (B, 1, T, S)
         # every row's positions start..start+S-1 (those past the context masked: any row will do)
         rope = self.rope[keys.clamp(max=self.max_len - 1).to(self.rope.device)]
+        if step is gqa_step and self.reads_in_c(q, entries["k"]):  # int4's, dequantised: quant.c's loop
+            # over them as they lie, a row's positions as slots of a pool of B S, those it does not see -1
+            seen = torch.where(mask[:, 0, 0], torch.arange(k_pos.numel()).view(k_pos.shape), -1)
+            k, v = (entries[name].flatten(0, 1) for name in ("k", "v"))  # (B S, G, d)
+            return quant_c.paged_gqa_decode(q[:, 0], seen, k, v, None, None, 1 / math.sqrt(q.size(-1))
+                                            ).to(q.dtype).unsqueeze(1)[:B]
         if step in row_steps:
             return step(source, q, entries, rope, mask[:, :, 0])[:B]  # mask (B, 1, S), scores (B, H, S)
         prompt = B == 1 and end == T and window is None  # a whole prompt at once: Attention.attend's causal
@@ -293,11 +299,14 @@ class PagedKVCache(RingKVCache):
 
     def reads_in_place(self, owner, q):
         """Whether MHA's, GQA's and MQA's one token a row reads owner's keys and values where they lie in the
-        pool (gqa_step_in_place): on a CPU where quant.c is built, a plain pool of fp32 or bf16 or an int8
-        one, and a query short of fp64 (the tests' exact decodes)."""
-        k = self.layers[owner]["k"]
-        return (not self.whole and k.dtype in (torch.float32, torch.bfloat16, torch.int8)
-                and in_c(q.dtype, q, k))
+        pool (gqa_step_in_place): a plain pool or an int8 one (int4's keys wait in tails), as reads_in_c."""
+        return not self.whole and self.reads_in_c(q, self.layers[owner]["k"])
+
+    @staticmethod
+    def reads_in_c(q, k):
+        """Whether quant.c's loop (paged_gqa_decode) reads keys k for queries q: on a CPU where it is built,
+        k of fp32, bf16 or int8, and q short of fp64 (the tests' exact decodes)."""
+        return k.dtype in (torch.float32, torch.bfloat16, torch.int8) and in_c(q.dtype, q, k)
 
     def gqa_step_in_place(self, owner, q, here, start, end, window):
         """gqa_step's equation, softmax_t(q_h . k_{t,g} / sqrt(d)) v_{t,g} for query head h of key head g,
@@ -344,25 +353,20 @@ class PagedKVCache(RingKVCache):
                     slots = torch.arange(block * bs, (block + 1) * bs, device=device)
                     self.store(owner, slots, tail)
 
-    def with_tails(self, rows, owner, keys, held, here, entries):
+    def with_tails(self, rows, owner, keys, here, entries):
         """entries {name: (B, S, *shape)} of rows' positions keys (S,), those of each row's block not yet full
-        taken from its tail; where a row holds no position (held False), its newest entry, as attend's."""
-        bs = self.block_size
-        end = here[:, -1:] + 1  # (B, 1): each row's positions after this forward
-        start = end - end % bs  # (B, 1): its block not yet full begins here (none where end % bs == 0)
-        fresh = (keys >= start) & (keys < end)  # (B, S)
-        fresh |= ~held & (end % bs != 0)  # the newest entry, in the tail
-        within = torch.where(keys >= start, keys - start, end - 1 - start).clamp(0, bs - 1)  # (B, S)
-        out = {}
-        for name, e in entries.items():
-            if name not in KEYS:
-                out[name] = e
+        written over from its tail, in place (a position a row does not hold is masked, whatever its slot
+        gave)."""
+        bs, first = self.block_size, int(keys[0])
+        for b, (seq, end) in enumerate(zip(rows, (here[:, -1] + 1).tolist())):  # end: its positions after
+            n = end % bs  # the positions of its block not yet full, from end - n on (none where n == 0)
+            start = max(end - n, first)
+            if n == 0 or start >= first + len(keys):
                 continue
-            tails = torch.cat([self.tails[seq][owner][name] for seq in rows])  # (B, bs, *shape)
-            taken = tails[torch.arange(len(rows))[:, None], within.to(tails.device)]  # (B, S, *shape)
-            where = fresh.to(e.device).view(*fresh.shape, *[1] * (e.dim() - 2))
-            out[name] = torch.where(where, taken.to(e.dtype), e)
-        return out
+            for name, e in entries.items():
+                if name in KEYS:
+                    e[b, start - first:end - first] = self.tails[seq][owner][name][0, start - end + n:n]
+        return entries
 
     def advance(self, T):
         """The rows have moved on by T: a windowed owner gives back each block whose last position has

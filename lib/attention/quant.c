@@ -12,7 +12,8 @@ fp64, torch.compile, no compiler), and the tests hold both to the same numbers.
     int8_store, int4_store   a token's rows quantised into their slots, bit for bit quant.py's arithmetic
     paged_gqa_decode   MHA's, GQA's and MQA's step over the paged pool's slots where they lie (paged.py),
                        plain (fp32, bf16) or int8
-    int8_gather        Int8KVCache's load of slots (the paged pool's rows), dequantised in one pass
+    int8_gather, int4_gather   Int8KVCache's and Int4KVCache's load of slots (the paged pool's rows),
+                       dequantised in one pass
 
 Layout (quant.laid_out): every entry read here lies position-last, rows of L bytes, a row's positions
 contiguous, so that every loop runs along positions, V at a time in a vector (GCC's and Clang's vector
@@ -539,5 +540,31 @@ void int8_gather(long n, long R, int D, const int8_t *codes, const void *scale, 
                 }
             }
             for (; d < D; d++) put(out, out_bf16, to + d, out_bf16 ? round_bf16(s * c[d]) : s * c[d]);
+        }
+}
+
+/* Int4KVCache's load of slots (quant.py, the same numbers, each c s then + m in fp32 as PyTorch's two
+   ops, never fused): n slots' rows, slot slots[i]'s R rows of D/2 bytes at codes + (slots[i] R + r) D/2,
+   into out's rows (i R + r) D as fp32 or rounded once to bf16 (out_bf16). The lows and scales (fp32 or
+   bf16: ls_bf16) per channel over groups of G slots (per_channel 1, a key entry: number d of row r at
+   ((slots[i] / G) R + r) D + d) or per token, one for R_ls rows at a time (slots[i] R / R_ls + r / R_ls). */
+__attribute__((optimize("fp-contract=off")))
+void int4_gather(long n, long R, int D, const uint8_t *codes, const void *low, const void *scale,
+                 int ls_bf16, const int64_t *slots, long G, long R_ls, int per_channel, void *out,
+                 int out_bf16) {
+    int half = D / 2;
+    for (long i = 0; i < n; i++)
+        for (long r = 0; r < R; r++) {
+            long row = slots[i] * R + r, to = (i * R + r) * D;
+            const uint8_t *c = codes + row * half;
+            long ls = per_channel ? ((slots[i] / G) * R + r) * D : slots[i] * (R / R_ls) + r / R_ls;
+            for (int d = 0; d < D; d++) {
+                int code = d < half ? c[d] & 15 : c[d - half] >> 4;
+                float s = at(scale, ls_bf16, per_channel ? ls + d : ls);
+                float m = at(low, ls_bf16, per_channel ? ls + d : ls);
+                float p = code * s;
+                float x = p + m;
+                put(out, out_bf16, to + d, out_bf16 ? round_bf16(x) : x);
+            }
         }
 }

@@ -279,7 +279,17 @@ class Int4KVCache(QuantisedKVCache):
     def codes(self, buffers, name, S, dtype):
         return Int4Codes(self, buffers, name, S, dtype)
 
-    def load_entry(self, buffers, name, index, dtype=None):  # fp32 values, whatever dtype
+    def load_entry(self, buffers, name, index, dtype=None):
+        """The values q s + m in fp32; one row's slots held slot by slot (the paged pool's), in dtype in one
+        pass in C (the same numbers), where no slot is the residual's."""
+        packed, low, scale = (buffers[f"{name}{part}"] for part in ("", ".low", ".scale"))
+        filling = buffers.get(f"{name}.filling")
+        if (packed.size(0) == 1 and packed.is_contiguous() and dtype in (torch.float32, torch.bfloat16)
+                and in_c(dtype, packed, low) and (filling is None or int(filling[0, 1]) == 0)):
+            shape = (*packed.shape[2:-1], 2 * packed.size(-1))
+            group = buffers[f"{name}.residual"].size(1) if name in KEYS else None
+            rows = 1 if name in KEYS or len(token_rows(shape)) == 1 else shape[-2]
+            return quant_c.int4_gather(packed[0], low[0], scale[0], index, dtype, group, rows)[None]
         if name not in KEYS:
             return int4_values(*(gather(buffers[f"{name}{part}"], index) for part in ("", ".low", ".scale")))
         residual = buffers[f"{name}.residual"]

@@ -34,6 +34,7 @@ SIGNATURES = {  # argument types of each function, in quant.c's order
     "int4_store": "l l l i l p i p p l l l l p p i l l l",
     "paged_gqa_decode": "l l l i i i p p p p i p p i f p p",
     "int8_gather": "l l i p p i p p i",
+    "int4_gather": "l l i p p p i p l l i p i",
 }
 C_TYPES = {"l": ctypes.c_long, "i": ctypes.c_int, "p": ctypes.c_void_p, "f": ctypes.c_float}
 
@@ -323,4 +324,21 @@ def int8_gather(codes, scale, slots, dtype):
     library().int8_gather(len(slots), R, D, codes.data_ptr(), scale.data_ptr(),
                           int(scale.dtype == torch.bfloat16), slots.data_ptr(), out.data_ptr(),
                           int(dtype == torch.bfloat16))
+    return out
+
+
+def int4_gather(packed, low, scale, slots, dtype, group=None, rows=1):
+    """Int4KVCache's load_entry of one row's slots (S,) in C: packed (L, *shape[:-1], d/2) bytes; low and
+    scale per channel over groups of `group` slots (groups, *shape) (a key entry), or per token, one a
+    `rows` rows of d (L, ...), each slot's numbers contiguous -> (S, *shape) q s + m in dtype (fp32, or bf16
+    rounded once: the same numbers)."""
+    assert packed.is_contiguous() and low.is_contiguous() and scale.is_contiguous()
+    assert low.dtype == scale.dtype and dtype in (torch.float32, torch.bfloat16)
+    slots = slots.to(torch.int64).contiguous()
+    D = 2 * packed.size(-1)
+    R = packed[0].numel() // packed.size(-1)
+    out = torch.empty(len(slots), *packed.shape[1:-1], D, dtype=dtype)
+    library().int4_gather(len(slots), R, D, packed.data_ptr(), low.data_ptr(), scale.data_ptr(),
+                          int(low.dtype == torch.bfloat16), slots.data_ptr(), group or 1, rows,
+                          int(group is not None), out.data_ptr(), int(dtype == torch.bfloat16))
     return out
