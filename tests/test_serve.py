@@ -119,6 +119,17 @@ def test_int4_pages_its_key_groups_as_blocks(attn):
         assert got == [alone(model, prompt, NEW, Int4Groups4, 64) for prompt in prompts(LENGTHS)], layout
 
 
+def test_int4_pages_refuse_a_window_that_is_not_whole_key_groups():
+    """A window's ring quantises int4 keys in groups of its slots, the pages in groups of positions: the
+    same only for a window of whole groups, so the paged int4 cache refuses any other in one line (the
+    ring and the engine would give two meanings of one storage), and takes one of whole groups."""
+    model = tiny_model("mha", n_layer=2, block_size=64, window=6, window_pattern="SL")
+    refusal = "^layer 0's window keeps 6 positions, which a ring quantises in other key groups than this "
+    with pytest.raises(ValueError, match=refusal + "cache's of 4: [^\n]*$"):
+        Engine(model, 10**6, Int4Groups4, torch.float32)
+    Engine(tiny_model("mha", n_layer=2, block_size=64, window=8, window_pattern="SL"), 10**6, Int4Groups4)
+
+
 @pytest.mark.parametrize("storage", [RingKVCache, Int8KVCache, Int4Groups4], ids=["plain", "int8", "int4"])
 @pytest.mark.parametrize("attn", ["mha", "gqa", "lrkv", "mla"])
 def test_a_decode_forward_of_bucketed_shapes_gives_every_rows_logits_alone(attn, storage):
@@ -198,7 +209,8 @@ def test_mha_gqa_and_mqa_read_the_pool_in_place_as_the_gathered_step(attn, stora
         read = decode_once(model, storage, dtype, contexts)
         assert len(calls) == model.config.n_layer, layout
         monkeypatch.setattr(PagedKVCache, "reads_in_place", lambda *a: False)
-        torch.testing.assert_close(read, decode_once(model, storage, dtype, contexts), **tolerance, msg=layout)
+        gathered = decode_once(model, storage, dtype, contexts)
+        torch.testing.assert_close(read, gathered, **tolerance, msg=layout)
         monkeypatch.undo()
 
 

@@ -75,6 +75,13 @@ class PagedKVCache(RingKVCache):
         shapes = {tuple(sorted(self.sources[owner].cache_shapes().items())) for owner in self.sources}
         if len(shapes) > 1:
             raise ValueError("a paged cache pools layers that cache entries of the same shapes")
+        # Key groups are a storage's meaning: the pages group positions, a window's ring (sample.py's path)
+        # its slots, which are the same groups only where the ring holds whole groups
+        for owner, span in self.span.items():
+            if self.whole and span < self.max_len and span % block_size:
+                raise ValueError(f"layer {owner}'s window keeps {span} positions, which a ring quantises in "
+                                 f"other key groups than this cache's of {block_size}: a window of a "
+                                 f"multiple of {block_size}, or another storage")
         shapes = dict(shapes.pop())
         # a block's bytes: what one more block adds to the storage's buffers (not its fixed residual)
         self.block_bytes = (sum(buf.nbytes for buf in self.allocate(shapes, 2 * block_size, "meta").values())
