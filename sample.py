@@ -190,8 +190,8 @@ def main(argv=None):
             L = model.config.block_size
             for i, tokens in enumerate(prompts):
                 if len(tokens) > L:
-                    raise ConfigError(f"--prompts={args.prompts}: line {i + 1} has {len(tokens)} tokens, more "
-                                      f"than the model's context, block_size = {L}")
+                    raise ConfigError(f"--prompts={args.prompts}: line {i + 1} has {len(tokens)} tokens, "
+                                      f"more than the model's context, block_size = {L}")
         dtype, why = ((getattr(torch, args.dtype), "--dtype") if args.dtype != "auto"
                       else decoding_dtype(ckpt.get("config", {}).get("dtype"), device))
     except ConfigError as e:

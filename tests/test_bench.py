@@ -81,8 +81,8 @@ def test_tiny_bench_writes_a_row_per_variant(tmp_path, capsys):
     for key in ("serve", "serve_long"):
         for name, row in result[key]["variants"].items():
             for r in row["serve"]:
-                assert positive_numbers(r, "step_ms", "step_rows", "step_positions", "step_bytes", "step_flops",
-                                        "roofline_ms", "x_roofline"), (key, name)
+                assert positive_numbers(r, "step_ms", "step_rows", "step_positions", "step_bytes",
+                                        "step_flops", "roofline_ms", "x_roofline"), (key, name)
                 assert r["rounds"] == (serve_tool.ROUNDS if name in serve_tool.COMPARED else 1), (key, name)
                 assert r["x_roofline"] == pytest.approx(r["step_ms"] / r["roofline_ms"]), (key, name)
     assert sorted(result["serve_long"]["variants"]) == sorted(serve_tool.COMPARED)
@@ -190,7 +190,8 @@ def test_a_steps_flops_are_its_projections_a_row_and_its_attention_a_position(at
     model = bench.inference_model(config, torch.device("cpu"), serve_tool.DTYPE)
     flops = serve_tool.step_flops(model, torch.device("cpu"))
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    assert flops == dict(per_row=2 * linear, per_position=4 * config.n_head * config.head_dim * config.n_layer)
+    per_position = 4 * config.n_head * config.head_dim * config.n_layer
+    assert flops == dict(per_row=2 * linear, per_position=per_position)
 
 
 def test_a_shared_prefix_is_shared_where_the_engine_shares_and_computed_again_where_not(tmp_path, capsys):
