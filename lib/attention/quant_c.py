@@ -279,7 +279,7 @@ def int4_store(x, slots, codes, low, scale, m):
 
 @functools.cache
 def workers(n):
-    """n threads that run C calls side by side (ctypes lets go of the GIL for a call)."""
+    """n threads that run C calls beside the caller's (ctypes lets go of the GIL for a call)."""
     return concurrent.futures.ThreadPoolExecutor(n)
 
 
@@ -306,10 +306,10 @@ def paged_gqa_decode(q, slots, k, v, k_scale, v_scale, scale):
                                    scales[1].data_ptr(), scale_bf16, scale, out.data_ptr(),
                                    rooms[i].data_ptr())
 
-    if threads == 1:
-        rows(0)
-    else:
-        list(workers(threads).map(rows, range(threads)))
+    others = [workers(threads - 1).submit(rows, i) for i in range(1, threads)] if threads > 1 else []
+    rows(0)  # this thread's share, beside the others'
+    for other in others:
+        other.result()
     return out
 
 
