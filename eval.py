@@ -27,7 +27,8 @@ from tqdm import tqdm
 from lib.evaluation import downstream
 from lib.evaluation.runs import legend_labels, provenance, run_order
 from lib.training.checkpoint import check_writable, load_checkpoint
-from lib.training.configurator import ArgumentParser, ConfigError, kv_quant, positive_int, run_main
+from lib.training.configurator import (ArgumentParser, ConfigError, interruption, kv_quant, positive_int,
+                                      run_main)
 from lib.attention import quant
 from lib.attention.decode import teacher_forced
 from lib.training.hardware import DEVICES, check_environment, decoding_dtype, pick_device
@@ -201,9 +202,10 @@ def main(argv=None):
             tasks = {name: dict(source=task.source, metric=task.metric, docs=len(task.docs),
                                 total=task.total, requests=task.n_requests, chance=task.chance)
                      for name, task in loaded.items()}
-    except KeyboardInterrupt:
-        print(f"eval.py: interrupted{f'; {args.out} not written' if args.out else ''}", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        said, code = interruption(e)
+        print(f"eval.py: {said}{f'; {args.out} not written' if args.out else ''}", file=sys.stderr)
+        return code
     runs = labelled(runs)
     print()
     print_table(tasks, runs, args.markdown)

@@ -47,7 +47,7 @@ import torch
 from lib.attention.heads import head_kv_weights
 from lib.attention.layout import kv_source, layer_window
 from lib.training.checkpoint import load_checkpoint
-from lib.training.configurator import ArgumentParser, ConfigError, run_main
+from lib.training.configurator import ArgumentParser, ConfigError, interruption, run_main
 from lib.training.data import load_tokenizer
 from lib.training.hardware import check_environment
 from model import attention_class
@@ -71,12 +71,14 @@ def transformers_requirement():
 
 
 def main(argv=None):
-    """Export; the exit code: 0 done, 2 bad input, 130 interrupted (Ctrl-C), nothing left behind."""
+    """Export; the exit code: 0 done, 2 bad input, 130 interrupted (Ctrl-C; SIGTERM, SIGHUP: 128 + the
+    signal), nothing left behind."""
     try:
         return export_checkpoint(argv)
-    except KeyboardInterrupt:  # write_atomically has removed what it wrote
-        print("export_hf.py: interrupted; nothing was written", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # write_atomically has removed what it wrote
+        said, code = interruption(e)
+        print(f"export_hf.py: {said}; nothing was written", file=sys.stderr)
+        return code
 
 
 def export_checkpoint(argv):

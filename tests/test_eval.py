@@ -8,6 +8,7 @@ import gzip
 import importlib.util
 import json
 import math
+import signal
 import sys
 import types
 from pathlib import Path
@@ -20,7 +21,7 @@ import analyze
 import eval as eval_script
 import train
 from lib.evaluation import downstream
-from lib.training.configurator import ConfigError
+from lib.training.configurator import ConfigError, Stopped
 from model import VARIANTS
 from lib.training.data import ByteTokenizer, get_tokenizer
 from references import naive_forward, tiny_model
@@ -420,15 +421,18 @@ def test_checkpoint_that_cannot_load_is_one_line_naming_it(trained, tmp_path, ca
     assert "not both" in one_line_error(capsys)
 
 
-def test_interrupted_run_leaves_no_results_file(trained, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("stop, code, said", [(KeyboardInterrupt, 130, "interrupted"),
+                                              (lambda: Stopped(signal.SIGTERM), 143, "stopped by SIGTERM")])
+def test_interrupted_run_leaves_no_results_file(trained, tmp_path, monkeypatch, capsys, stop, code, said):
+    """Ctrl-C, or SIGTERM (run_main's Stopped), mid-run: one line saying which, 128 + the signal, no file."""
     calls = []
 
     def interrupted(*args, **kwargs):
         calls.append(1)
-        raise KeyboardInterrupt
+        raise stop()
 
     monkeypatch.setattr(downstream, "evaluate_task", interrupted)
     out = tmp_path / "out" / "results.json"
-    assert eval_script.main([str(trained / "ckpt.pt"), f"--out={out}", "--limit=2"]) == 130
-    assert calls and "not written" in one_line_error(capsys)
+    assert eval_script.main([str(trained / "ckpt.pt"), f"--out={out}", "--limit=2"]) == code
+    assert calls and one_line_error(capsys) == f"eval.py: {said}; {out} not written\n"
     assert not (tmp_path / "out").exists()

@@ -21,6 +21,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +45,7 @@ import train  # noqa: E402
 from test_train import data_dir  # noqa: E402,F401 (a fixture)
 from lib.attention.decode import generate  # noqa: E402
 from lib.training.checkpoint import digest, load_checkpoint  # noqa: E402
+from lib.training.configurator import Stopped  # noqa: E402
 from lib.training.data import get_tokenizer  # noqa: E402
 import model as model_module  # noqa: E402
 from model import GPTConfig  # noqa: E402
@@ -1338,6 +1340,20 @@ def test_ctrl_c_during_an_export_is_one_line_and_leaves_nothing(build, tmp_path,
     monkeypatch.setattr(*(export_hf, "card") if when == "card" else (os, "mkdir"), interrupted)
     assert export_hf.main([str(ckpt), str(tmp_path / "new" / "out")]) == 130
     assert one_line_error(capsys) == "export_hf.py: interrupted; nothing was written\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sigterm_during_an_export_says_so_and_exits_with_its_number(build, tmp_path, monkeypatch, capsys):
+    """SIGTERM (run_main's Stopped, a KeyboardInterrupt) while the card is written: its own line and 128 +
+    15, not Ctrl-C's, and nothing left."""
+    def stopped(*args, **kwargs):
+        raise Stopped(signal.SIGTERM)
+
+    ckpt = build("lrkv", 1).ckpt
+    capsys.readouterr()
+    monkeypatch.setattr(export_hf, "card", stopped)
+    assert export_hf.main([str(ckpt), str(tmp_path / "out")]) == 128 + signal.SIGTERM
+    assert one_line_error(capsys) == "export_hf.py: stopped by SIGTERM; nothing was written\n"
     assert list(tmp_path.iterdir()) == []
 
 

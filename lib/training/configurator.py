@@ -49,6 +49,14 @@ def stop(signum, frame):
     raise Stopped(signum)
 
 
+def interruption(e):
+    """What a KeyboardInterrupt e (Ctrl-C's, or Stopped) ended a script with: its words, "interrupted" or
+    "stopped by SIGTERM", and its exit code, 128 + the signal's number (130 for Ctrl-C)."""
+    signum = getattr(e, "signum", signal.SIGINT)
+    said = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+    return said, 128 + signum
+
+
 def run_main(main):
     """main()'s exit code, for a script's `sys.exit(run_main(main))`; or, where its stdout is a pipe
     whose reader has gone (`python eval.py --list | head -n 1`), 141 and no traceback: what a shell
@@ -71,11 +79,10 @@ def run_main(main):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
     except KeyboardInterrupt as e:
-        signum = getattr(e, "signum", signal.SIGINT)
+        said, code = interruption(e)
         if os.environ.get("RANK", "0") == "0":
-            said = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
             print(f"{os.path.basename(sys.argv[0])}: {said}", file=sys.stderr)
-        return 128 + signum
+        return code
     finally:
         for signum in caught:
             signal.signal(signum, signal.SIG_DFL)
