@@ -572,12 +572,14 @@ def test_resume_reads_a_checkpoint_written_before_init_from_existed(data_dir, tm
 def test_resume_refuses_a_checkpoint_lacking_a_flag_of_unknown_earlier_meaning(data_dir, tmp_path, capsys):
     """A checkpoint from before a flag existed (here one whose config lacks seed, or a model field) is not
     resumed as if it had the flag's default of today, which may mean something else than what that run
-    did: one line names the field; a flag recorded in checkpoint.BEFORE resumes as that (init_from, above)."""
+    did: one line names the field; a flag recorded in checkpoint.BEFORE resumes as that (init_from, above),
+    a model field of checkpoint.MODEL_BEFORE as that (window: None, so --window=8 differs)."""
     assert train.main(flags(data_dir=data_dir, out_dir=tmp_path, stop_after=STOP)) == 0
     saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     del saved["digest"]
     for section, name, flag, says in (("config", "seed", [], "has no 'seed', a flag added since it was"),
-                                      ("model_args", "window", ["--window=8"], "trained with window=None")):
+                                      ("model_args", "window", ["--window=8"], "trained with window=None"),
+                                      ("model_args", "rope_theta", [], "has no model field 'rope_theta'")):
         ckpt = {**saved, section: {k: v for k, v in saved[section].items() if k != name}}
         torch.save(ckpt, tmp_path / "ckpt.pt")
         capsys.readouterr()

@@ -418,12 +418,19 @@ JOB_FLAGS = ("data_dir", "out_dir", "resume", "overwrite", "stop_after", "device
 # default, which may mean something else (a new schedule's). A flag added to TrainConfig goes here with
 # the behaviour it replaces, or such a checkpoint is refused, naming it.
 BEFORE = dict(init_from="", distill=0.0)
+# The same for GPTConfig's fields added after checkpoints began to hold model_args: before them a model
+# shared no keys and had no window. The others added since came with what reads them (window_pattern with
+# window, each rival's knobs with the rival), so a checkpoint that lacks one never read it: GPTConfig's
+# default stands in. A field added to GPTConfig goes in one of the two, or such a checkpoint is refused.
+MODEL_BEFORE = dict(cla=1, yoco=False, window=None)
+UNREAD_BEFORE = ("window_pattern", "gta_kv_heads", "gla_latent_dim", "gla_latent_heads", "mlra_latent_dim",
+                 "mlra_latent_heads", "tpa_q_rank", "tpa_kv_rank")
 
 
 def load_resume_checkpoint(cfg, model_config):
     """load_checkpoint(out_dir/ckpt.pt), checked to hold the model the flags describe, trained with
-    the flags given, but JOB_FLAGS; a field it lacks is BEFORE's (a model's: GPTConfig's default, which
-    load_checkpoint builds it with), and one not there refused."""
+    the flags given, but JOB_FLAGS; a field it lacks is BEFORE's (a model's: MODEL_BEFORE's, or
+    GPTConfig's default where UNREAD_BEFORE names it), and one not there refused."""
     path = Path(cfg.out_dir) / "ckpt.pt"
     if not path.exists():
         raise ConfigError(f"--resume: there is no {path} to resume from")
@@ -434,7 +441,14 @@ def load_resume_checkpoint(cfg, model_config):
         raise ConfigError(f"--resume: {path} has no {unknown[0]!r}, a flag added since it was written, and "
                           "what its run did in its place is not recorded (checkpoint.BEFORE): it cannot be "
                           "resumed as the run it was")
-    saved = {**dataclasses.asdict(GPTConfig()), **ckpt["model_args"],
+    fields = dataclasses.asdict(GPTConfig())
+    unknown = [name for name in fields if name not in ckpt["model_args"]
+               and name not in MODEL_BEFORE and name not in UNREAD_BEFORE]
+    if unknown:
+        raise ConfigError(f"--resume: {path} has no model field {unknown[0]!r}, one added since it was "
+                          "written, and what its model did in its place is not recorded "
+                          "(checkpoint.MODEL_BEFORE): it cannot be resumed as the run it was")
+    saved = {**fields, **MODEL_BEFORE, **ckpt["model_args"],
              **{name: ckpt["config"].get(name, BEFORE.get(name)) for name in run_flags}}
     wanted = {**dataclasses.asdict(model_config), **{name: getattr(cfg, name) for name in run_flags}}
     changed = ", ".join(f"{k}={saved[k]!r} (flags: {wanted.get(k)!r})" for k in saved
