@@ -318,6 +318,9 @@ def prepare(args):
 
     tok = get_tokenizer(args.tokenizer)
     source, batches = open_source(args)
+    if state and args.dataset == "pysource" and state["source"] != source:  # documents by index: the same
+        raise ValueError(f"{out_dir} was begun on {state['source']}, and the folders now hold "
+                         f"{source}: choose another --out_dir")  # files only
     print(f"reading {source}")
     state = state or dict(tokenizer=tok.name, vocab_size=tok.vocab_size, eot_id=tok.eot_id,
                           source=source, train_tokens=0, val_tokens=0, train_bytes=0, val_bytes=0,

@@ -346,6 +346,17 @@ def test_pysource_rerun_resumes_after_interruption(tmp_path, monkeypatch):
     pd.main(args + [f"--out_dir={tmp_path / 'resumed'}"])
     assert contents(tmp_path / "resumed") == contents(tmp_path / "whole")
     check_dataset(tmp_path / "whole", texts)
+    # a file added between the kill and the rerun: documents resumed by index would be other files'
+    kill_when_writing(monkeypatch, "train_000002.bin", partial_bytes=100)
+    with pytest.raises(KeyboardInterrupt):
+        pd.main(args + [f"--out_dir={tmp_path / 'changed'}"])
+    monkeypatch.undo()
+    write_python_files(tmp_path / "in", ["y = 1\n"], ["p0/new.py"])
+    kept = contents(tmp_path / "changed")
+    with pytest.raises(SystemExit, match="^prepare_data.py: error: [^\n]*was begun on pysource: 60 .py files"
+                                         "[^\n]*: choose another --out_dir$"):
+        pd.main(args + [f"--out_dir={tmp_path / 'changed'}"])
+    assert contents(tmp_path / "changed") == kept
 
 def test_load_meta_names_the_command(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
