@@ -390,6 +390,8 @@ def test_every_argument_is_checked_before_any_work_in_one_line():
     engine.forward = None  # a forward would fail with a TypeError: every refusal below comes before one
     V = TINY.vocab_size
     for args, knobs, said in ((([], 4), {}, "prompts=\\[\\]: must be a non-empty list"),
+                              ((torch.zeros(20, 30, dtype=torch.long), 4), {},
+                               "prompts of type Tensor: must be a non-empty list"),
                               (([[1], [2], [3]], [4, 4]), {}, "2 max_new_tokens for 3 prompts"),
                               (([[1], [2]], [4, -1]), {}, "max_new_tokens=-1: must be a positive integer"),
                               (([[1, V]], 4), {}, f"prompt 0 holds a token id outside the vocabulary, "

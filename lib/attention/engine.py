@@ -97,7 +97,9 @@ class Engine:
         line for the first argument or request that cannot be served."""
         L, V = self.model.config.block_size, self.model.config.vocab_size
         if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError(f"prompts={prompts!r}: must be a non-empty list of prompts (lists of token ids)")
+            what = (f"={prompts!r}" if isinstance(prompts, (list, tuple))
+                    else f" of type {type(prompts).__name__}")  # a tensor's repr runs over lines
+            raise ValueError(f"prompts{what}: must be a non-empty list of prompts (lists of token ids)")
         if not isinstance(max_new_tokens, (list, tuple)):
             max_new_tokens = [max_new_tokens] * len(prompts)
         if len(max_new_tokens) != len(prompts):
