@@ -279,7 +279,7 @@ def int4_store(x, slots, codes, low, scale, m):
 
 @functools.cache
 def workers(n):
-    """n threads that run C calls beside the caller's (ctypes lets go of the GIL for a call)."""
+    """n threads that run C calls beside the caller's (shared)."""
     return concurrent.futures.ThreadPoolExecutor(n)
 
 
@@ -287,7 +287,7 @@ def paged_gqa_decode(q, slots, k, v, k_scale, v_scale, scale):
     """q (B, H, D); slots (B, S) int64, -1 where a row sees no position; the pool's keys and values k, v (n,
     G, D), fp32, bf16 or int8 codes with their scales k_scale, v_scale (n, G) (else None) -> (B, H, D) fp32:
     each row's softmax(scale q . k) v over the slots it sees, read where they lie (quant.c), the rows
-    shared among torch's threads."""
+    shared among torch's threads (shared)."""
     B, H, D = q.shape
     S, G = slots.size(1), k.size(1)
     kind = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}[k.dtype]
@@ -296,49 +296,52 @@ def paged_gqa_decode(q, slots, k, v, k_scale, v_scale, scale):
     scales = (k_scale.contiguous(), v_scale.contiguous()) if kind == 2 else (k, v)  # unread unless int8
     scale_bf16 = int(scales[0].dtype == torch.bfloat16)
     out = torch.empty(B, H, D)
-    threads = max(1, min(torch.get_num_threads(), B))
-    bounds = [B * i // threads for i in range(threads + 1)]
-    rooms = torch.empty(threads, H * S)
-
-    def rows(i):
-        library().paged_gqa_decode(bounds[i], bounds[i + 1], S, H, G, D, q.data_ptr(), slots.data_ptr(),
-                                   k.data_ptr(), v.data_ptr(), kind, scales[0].data_ptr(),
-                                   scales[1].data_ptr(), scale_bf16, scale, out.data_ptr(),
-                                   rooms[i].data_ptr())
-
-    others = [workers(threads - 1).submit(rows, i) for i in range(1, threads)] if threads > 1 else []
-    rows(0)  # this thread's share, beside the others'
-    for other in others:
-        other.result()
+    rooms = torch.empty(min(torch.get_num_threads(), B), H * S)
+    shared(B, lambda i, b0, b1: library().paged_gqa_decode(
+        b0, b1, S, H, G, D, q.data_ptr(), slots.data_ptr(), k.data_ptr(), v.data_ptr(), kind,
+        scales[0].data_ptr(), scales[1].data_ptr(), scale_bf16, scale, out.data_ptr(), rooms[i].data_ptr()))
     return out
 
 
+def shared(n, call):
+    """call(i, start, stop) for torch's threads' shares i of range(n), share 0 on this thread, beside the
+    others' on workers (ctypes lets go of the GIL for a call: handing every share to workers left two
+    threads no faster than one)."""
+    threads = max(1, min(torch.get_num_threads(), n))
+    bounds = [n * i // threads for i in range(threads + 1)]
+    others = [workers(threads - 1).submit(call, i, bounds[i], bounds[i + 1]) for i in range(1, threads)]
+    call(0, bounds[0], bounds[1])
+    for other in others:
+        other.result()
+
+
 def int8_gather(codes, scale, slots, dtype):
-    """Int8KVCache's load_entry of one row's slots (S,) in C: codes (L, *shape) int8 and scale (L,
-    *shape[:-1], 1), each slot's numbers contiguous -> (S, *shape) c s in dtype (fp32, or bf16 rounded once:
-    the same numbers)."""
+    """Int8KVCache's load_entry of one row's slots (S,) in C, shared among torch's threads: codes (L,
+    *shape) int8 and scale (L, *shape[:-1], 1), each slot's numbers contiguous -> (S, *shape) c s in dtype
+    (fp32, or bf16 rounded once: the same numbers)."""
     assert codes.is_contiguous() and scale.is_contiguous() and dtype in (torch.float32, torch.bfloat16)
     slots = slots.to(torch.int64).contiguous()
     D, R = codes.size(-1), codes[0].numel() // codes.size(-1)
     out = torch.empty(len(slots), *codes.shape[1:], dtype=dtype)
-    library().int8_gather(len(slots), R, D, codes.data_ptr(), scale.data_ptr(),
-                          int(scale.dtype == torch.bfloat16), slots.data_ptr(), out.data_ptr(),
-                          int(dtype == torch.bfloat16))
+    shared(len(slots), lambda i, a, b: library().int8_gather(
+        b - a, R, D, codes.data_ptr(), scale.data_ptr(), int(scale.dtype == torch.bfloat16),
+        slots[a:].data_ptr(), out[a:].data_ptr(), int(dtype == torch.bfloat16)))
     return out
 
 
 def int4_gather(packed, low, scale, slots, dtype, group=None, rows=1):
-    """Int4KVCache's load_entry of one row's slots (S,) in C: packed (L, *shape[:-1], d/2) bytes; low and
-    scale per channel over groups of `group` slots (groups, *shape) (a key entry), or per token, one a
-    `rows` rows of d (L, ...), each slot's numbers contiguous -> (S, *shape) q s + m in dtype (fp32, or bf16
-    rounded once: the same numbers)."""
+    """Int4KVCache's load_entry of one row's slots (S,) in C, shared among torch's threads: packed (L,
+    *shape[:-1], d/2) bytes; low and scale per channel over groups of `group` slots (groups, *shape) (a key
+    entry), or per token, one a `rows` rows of d (L, ...), each slot's numbers contiguous -> (S, *shape)
+    q s + m in dtype (fp32, or bf16 rounded once: the same numbers)."""
     assert packed.is_contiguous() and low.is_contiguous() and scale.is_contiguous()
     assert low.dtype == scale.dtype and dtype in (torch.float32, torch.bfloat16)
     slots = slots.to(torch.int64).contiguous()
     D = 2 * packed.size(-1)
     R = packed[0].numel() // packed.size(-1)
     out = torch.empty(len(slots), *packed.shape[1:-1], D, dtype=dtype)
-    library().int4_gather(len(slots), R, D, packed.data_ptr(), low.data_ptr(), scale.data_ptr(),
-                          int(low.dtype == torch.bfloat16), slots.data_ptr(), group or 1, rows,
-                          int(group is not None), out.data_ptr(), int(dtype == torch.bfloat16))
+    shared(len(slots), lambda i, a, b: library().int4_gather(
+        b - a, R, D, packed.data_ptr(), low.data_ptr(), scale.data_ptr(), int(low.dtype == torch.bfloat16),
+        slots[a:].data_ptr(), group or 1, rows, int(group is not None), out[a:].data_ptr(),
+        int(dtype == torch.bfloat16)))
     return out
