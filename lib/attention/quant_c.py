@@ -316,21 +316,21 @@ def shared(n, call):
 
 
 def int8_gather(codes, scale, slots, dtype):
-    """Int8KVCache's load_entry of one row's slots (S,) in C, shared among torch's threads: codes (L,
-    *shape) int8 and scale (L, *shape[:-1], 1), each slot's numbers contiguous -> (S, *shape) c s in dtype
-    (fp32, or bf16 rounded once: the same numbers)."""
+    """Int8KVCache's load_entry of one row's slots (S,) in C, on this thread (shared among torch's threads,
+    it gained the engine nothing measurable): codes (L, *shape) int8 and scale (L, *shape[:-1], 1), each
+    slot's numbers contiguous -> (S, *shape) c s in dtype (fp32, or bf16 rounded once: the same numbers)."""
     assert codes.is_contiguous() and scale.is_contiguous() and dtype in (torch.float32, torch.bfloat16)
     slots = slots.to(torch.int64).contiguous()
     D, R = codes.size(-1), codes[0].numel() // codes.size(-1)
     out = torch.empty(len(slots), *codes.shape[1:], dtype=dtype)
-    shared(len(slots), lambda i, a, b: library().int8_gather(
-        b - a, R, D, codes.data_ptr(), scale.data_ptr(), int(scale.dtype == torch.bfloat16),
-        slots[a:].data_ptr(), out[a:].data_ptr(), int(dtype == torch.bfloat16)))
+    library().int8_gather(len(slots), R, D, codes.data_ptr(), scale.data_ptr(),
+                          int(scale.dtype == torch.bfloat16), slots.data_ptr(), out.data_ptr(),
+                          int(dtype == torch.bfloat16))
     return out
 
 
 def int4_gather(packed, low, scale, slots, dtype, group=None, rows=1):
-    """Int4KVCache's load_entry of one row's slots (S,) in C, shared among torch's threads: packed (L,
+    """Int4KVCache's load_entry of one row's slots (S,) in C, on this thread (int8_gather's): packed (L,
     *shape[:-1], d/2) bytes; low and scale per channel over groups of `group` slots (groups, *shape) (a key
     entry), or per token, one a `rows` rows of d (L, ...), each slot's numbers contiguous -> (S, *shape)
     q s + m in dtype (fp32, or bf16 rounded once: the same numbers)."""
@@ -340,8 +340,7 @@ def int4_gather(packed, low, scale, slots, dtype, group=None, rows=1):
     D = 2 * packed.size(-1)
     R = packed[0].numel() // packed.size(-1)
     out = torch.empty(len(slots), *packed.shape[1:-1], D, dtype=dtype)
-    shared(len(slots), lambda i, a, b: library().int4_gather(
-        b - a, R, D, packed.data_ptr(), low.data_ptr(), scale.data_ptr(), int(low.dtype == torch.bfloat16),
-        slots[a:].data_ptr(), group or 1, rows, int(group is not None), out[a:].data_ptr(),
-        int(dtype == torch.bfloat16)))
+    library().int4_gather(len(slots), R, D, packed.data_ptr(), low.data_ptr(), scale.data_ptr(),
+                          int(low.dtype == torch.bfloat16), slots.data_ptr(), group or 1, rows,
+                          int(group is not None), out.data_ptr(), int(dtype == torch.bfloat16))
     return out
