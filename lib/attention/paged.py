@@ -268,13 +268,12 @@ class PagedKVCache(RingKVCache):
         source = self.sources[owner]
         step = step_for(attn, source) if T == 1 else None
         row_steps = CPU_ROW_MASK_STEPS if q.device.type == "cpu" else ROW_MASK_STEPS
-        if step is gqa_step and self.reads_in_place(owner, q):
-            return self.gqa_step_in_place(owner, q, here, start, end, window)
+        in_place = step is gqa_step and self.reads_in_place(owner, q)  # no slot gathered: no GEMM either
         rows, S = self.rows, end - start
-        if step in row_steps:  # one token a row: its variant's exact step, on shapes of a few buckets, where
-            # the GEMMs of a shape met for the first time cost a CPU twice those of one met before (oneDNN
-            # makes each shape's kernel once): the rows padded by copies of the first, dropped after, and
-            # the positions by masked ones past the end
+        if step in row_steps and not in_place:  # one token a row: its variant's exact step, on shapes of a
+            # few buckets, where the GEMMs of a shape met for the first time cost a CPU twice those of one
+            # met before (oneDNN makes each shape's kernel once): the rows padded by copies of the first,
+            # dropped after, and the positions by masked ones past the end
             rows = rows + rows[:1] * (bucket(B, ROW_BUCKET) - B)
             S = bucket(S, POSITION_BUCKET)
             index = torch.tensor([*range(B)] + [0] * (len(rows) - B))
@@ -282,22 +281,22 @@ class PagedKVCache(RingKVCache):
         keys = torch.arange(start, start + S)  # (S,): the positions read
         slots = self.row_slots(rows, owner, start, start + S)  # (B, S)
         held = (slots >= 0) & (keys <= here[:, -1:])  # past a row's end: nothing there yet
+        k_pos = torch.where(held, keys, -1).to(q.device)
+        mask = visible(here.to(q.device), k_pos, window).unsqueeze(1)  # (B, 1, T, S)
+        if in_place:
+            return self.gqa_step_in_place(owner, q, torch.where(mask[:, 0, 0], slots, -1))
         # where a row holds no position, its newest entry, masked: a key RMS of 0 would make keys of 0 / 0
         slots = torch.where(held, slots, new[:, -1:])
         entries = {name: e.view(len(rows), -1, *e.shape[2:])
                    for name, e in self.load(owner, slots.flatten().to(x.device)).items()}
         if self.whole:
             entries = self.with_tails(rows, owner, keys, here, entries)
-        k_pos = torch.where(held, keys, -1).to(q.device)
-        mask = visible(here.to(q.device), k_pos, window).unsqueeze(1)  # (B, 1, T, S)
         # every row's positions start..start+S-1 (those past the context masked: any row will do)
         rope = self.rope[keys.clamp(max=self.max_len - 1).to(self.rope.device)]
         if step is gqa_step and self.reads_in_c(q, entries["k"]):  # int4's, dequantised: quant.c's loop
             # over them as they lie, a row's positions as slots of a pool of B S, those it does not see -1
             seen = torch.where(mask[:, 0, 0], torch.arange(k_pos.numel()).view(k_pos.shape), -1)
-            k, v = (entries[name].flatten(0, 1) for name in ("k", "v"))  # (B S, G, d)
-            return quant_c.paged_gqa_decode(q[:, 0], seen, k, v, None, None, 1 / math.sqrt(q.size(-1))
-                                            ).to(q.dtype).unsqueeze(1)[:B]
+            return gqa_in_c(q, seen, *(entries[name].flatten(0, 1) for name in ("k", "v")))[:B]  # (B S, G, d)
         if step in row_steps:
             return step(source, q, entries, rope, mask[:, :, 0])[:B]  # mask (B, 1, S), scores (B, H, S)
         prompt = B == 1 and end == T and window is None  # a whole prompt at once: Attention.attend's causal
@@ -315,20 +314,13 @@ class PagedKVCache(RingKVCache):
         k of fp32, bf16 or int8, and q short of fp64 (the tests' exact decodes)."""
         return k.dtype in (torch.float32, torch.bfloat16, torch.int8) and in_c(q.dtype, q, k)
 
-    def gqa_step_in_place(self, owner, q, here, start, end, window):
-        """gqa_step's equation, softmax_t(q_h . k_{t,g} / sqrt(d)) v_{t,g} for query head h of key head g,
-        each row over its own positions start..end-1 that visible lets it see, by quant.c's loop over their
-        slots in the pool: no slot gathered or dequantised (an int8 row s c: q . (s c) = s (q . c), and
-        a weight times s onto the codes), every number in fp32. q (B, 1, H, d) -> (B, 1, H, d)."""
-        keys = torch.arange(start, end)
-        slots = self.row_slots(self.rows, owner, start, end)  # (B, S)
-        held = (slots >= 0) & (keys <= here[:, -1:])
-        seen = visible(here, torch.where(held, keys, -1), window)[:, 0]  # (B, S)
+    def gqa_step_in_place(self, owner, q, slots):
+        """gqa_step's equation for one token a row over the slots (B, S) each row sees in owner's pool (-1:
+        none), read where they lie: no slot gathered or dequantised (an int8 row s c: q . (s c) = s (q . c),
+        and a weight times s onto the codes). q (B, 1, H, d) -> (B, 1, H, d)."""
         pool = {name: buf[0] for name, buf in self.layers[owner].items()}  # (n, G, d), scales (n, G, 1)
         scales = [pool[f"{name}.scale"][..., 0] if f"{name}.scale" in pool else None for name in ("k", "v")]
-        out = quant_c.paged_gqa_decode(q[:, 0], torch.where(seen, slots, -1), pool["k"], pool["v"], *scales,
-                                       1 / math.sqrt(q.size(-1)))
-        return out.to(q.dtype).unsqueeze(1)
+        return gqa_in_c(q, slots, pool["k"], pool["v"], *scales)
 
     def store_whole(self, owner, new, here, entries):
         """Each row's new entries {name: (B, T, *shape)} of positions here (B, T): those that make keys into
@@ -387,6 +379,14 @@ class PagedKVCache(RingKVCache):
                         self.let_go(blocks[i])
                         blocks[i] = None
                         self.map_block(seq, owner, i, None)
+
+
+def gqa_in_c(q, slots, k, v, k_scale=None, v_scale=None):
+    """gqa_step's equation, softmax_t(q_h . k_{t,g} / sqrt(d)) v_{t,g} for query head h of key head g, by
+    quant.c's loop over each row's slots (B, S) of k, v (n, G, d) (-1: a slot the row does not see), every
+    number in fp32: q (B, 1, H, d) -> (B, 1, H, d)."""
+    out = quant_c.paged_gqa_decode(q[:, 0], slots, k, v, k_scale, v_scale, 1 / math.sqrt(q.size(-1)))
+    return out.to(q.dtype).unsqueeze(1)
 
 
 def paged_cache_class(storage=RingKVCache):
