@@ -57,8 +57,9 @@ INT8_POSITION_LAST = POSITION_LAST + ("r_k",)
 INT4_POSITION_LAST = POSITION_LAST + KEYS
 
 
-def laid_out(name, size, dtype, device, position_last=POSITION_LAST, head_major=HEAD_MAJOR):
-    """A zero buffer of logical size (B, L, *shape), held in the order above for name."""
+def laid_out(name, size, dtype, device, position_last, head_major):
+    """A zero buffer of logical size (B, L, *shape), held in the order above for name (the storage's
+    position_last and head_major)."""
     n = len(size)
     if name in position_last:
         order = (0, *range(2, n), 1)
