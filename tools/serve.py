@@ -114,8 +114,8 @@ def bench_serve(models, spec, device, log, ceiling, clock=time.perf_counter, sha
     result = {}
     for attn, model in models.items():
         flops = step_flops(model, device)
-        rows = [dict(median(runs[attn, storage]), rounds=len(runs[attn, storage]),
-                     **roofline(model, median(runs[attn, storage]), flops, ceiling)) for storage in STORAGES]
+        medians = [(median(runs[attn, storage]), len(runs[attn, storage])) for storage in STORAGES]
+        rows = [dict(row, rounds=rounds, **roofline(model, row, flops, ceiling)) for row, rounds in medians]
         result[attn] = dict(serve=rows, batch1=median(alone[attn]) if attn in alone else None)
     return dict(workload=dict(spec, new_tokens=sum(outputs), prompt_tokens=sum(map(len, prompts)),
                               budget_bytes=budget, dtype=str(DTYPE).removeprefix("torch."), rounds=ROUNDS,
